@@ -1,0 +1,35 @@
+"""`--arch auto`: pick the preset that fits this machine's first real GPU.
+
+A module compiled for a GPU arch returns NaN on a CPU Vulkan implementation without any error,
+so when only lavapipe/llvmpipe is present the lavapipe preset is chosen.
+"""
+
+from __future__ import annotations
+
+from sdiree.runtime.device import list_devices
+from sdiree.runtime.errors import UserError
+from sdiree.runtime.targets import Target
+
+
+def auto_arch(target: Target) -> tuple[str, str]:
+    """(arch, reason) for target on this machine's devices of the target's driver."""
+    devices = list_devices(target.driver)
+    if not devices:
+        raise UserError(
+            f"--arch auto found no {target.driver} device on this machine; pass --arch, one of "
+            f"{', '.join(target.arches)}"
+        )
+    real = [d for d in devices if not d.is_cpu_emulation]
+    for d in real:
+        for arch in target.arches.values():
+            if not arch.cpu_emulated and arch.matches_device(d.name):
+                return arch.name, f"first GPU is '{d.name}'"
+    if real:
+        fallback = "baseline" if "baseline" in target.arches else next(iter(target.arches))
+        return fallback, f"GPU '{real[0].name}' matches no preset; {fallback} is safe but slow"
+    for arch in target.arches.values():
+        if arch.cpu_emulated and arch.matches_device(devices[0].name):
+            return arch.name, f"only a CPU implementation is present: '{devices[0].name}'"
+    raise UserError(
+        f"--arch auto: no preset fits device '{devices[0].name}'; pass --arch explicitly"
+    )

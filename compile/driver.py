@@ -1,0 +1,386 @@
+"""`sdiree compile`: model folder → per-submodule MLIR, parameter archives, vmfbs, manifest.
+
+Stages: load (model folder, configs, content hash), export (one MLIR per submodule, shared by
+every target with the same export choices), parameters (one archive per scope and dtype, shared
+by every target/arch/shape), compile (one vmfb per submodule), then the runtime's tokenizer and
+scheduler files and the manifest, written last. Every stage is keyed by its inputs: unchanged
+inputs are reused and said to be, a changed flag or spec recompiles only what it touches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sdiree.runtime import __version__ as SDIREE_VERSION
+from sdiree.runtime.errors import UserError
+from sdiree.runtime.fileutil import (
+    atomic_copy,
+    atomic_path,
+    atomic_write_json,
+    remove_stale_temps,
+    sha256_file,
+    sha256_json,
+)
+from sdiree.runtime.manifest import MANIFEST_NAME
+from sdiree.runtime.targets import Registry, Target, load_registry
+
+from . import arch_select
+from .manifest_writer import build_manifest
+from .model_source import ModelSource, open_model
+from .report import Reporter
+
+SUBMODULES = ("text_encoder", "unet", "vae_decoder", "vae_encoder")
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
+BUILD_STATE = ".build-state.json"
+
+
+@dataclass
+class CompileOptions:
+    model_dir: Path
+    target: str
+    arch: str | None = None
+    dtype: str | None = None
+    height: int | None = None
+    width: int | None = None
+    batch_size: int = 1
+    out: Path | None = None
+    specs_dir: Path | None = None
+    artifacts_root: Path = Path("artifacts")
+    submodules: tuple[str, ...] = SUBMODULES
+
+
+@dataclass
+class Plan:
+    """Everything resolved before any file is written."""
+
+    model: ModelSource
+    registry: Registry
+    target: Target
+    arch: str
+    dtype: str
+    height: int
+    width: int
+    batch_size: int
+    out: Path
+    shared: Path
+    submodules: tuple[str, ...]
+    configs: dict = field(default_factory=dict)
+
+    @property
+    def latent_hw(self) -> tuple[int, int]:
+        f = self.vae_factor
+        return self.height // f, self.width // f
+
+    @property
+    def vae_factor(self) -> int:
+        return 2 ** (len(self.configs["vae"]["block_out_channels"]) - 1)
+
+
+def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
+    """Check every input and fix every choice; raises UserError, writes nothing."""
+    registry = load_registry(opts.specs_dir)
+    target = registry.target(opts.target)
+    model = open_model(opts.model_dir)
+    configs = {c: model.config(c) for c in ("unet", "vae", "text_encoder", "scheduler")}
+
+    arch = opts.arch or target.default_arch
+    if arch == "auto":
+        arch, why = arch_select.auto_arch(target)
+        reporter.say(f"arch auto: picked {arch} ({why})")
+    else:
+        target.arch(arch)
+
+    dtype = opts.dtype or target.default_dtype
+    if dtype not in target.dtypes:
+        raise UserError(f"dtype {dtype} is not available for {target.name}: use {target.dtypes}")
+
+    vae_factor = 2 ** (len(configs["vae"]["block_out_channels"]) - 1)
+    default_hw = configs["unet"]["sample_size"] * vae_factor
+    height = opts.height or default_hw
+    width = opts.width or default_hw
+    for label, v in (("height", height), ("width", width)):
+        if v <= 0 or v % 8:
+            raise UserError(f"--{label} {v} is not a positive multiple of 8; use e.g. {default_hw}")
+    if opts.batch_size < 1:
+        raise UserError(f"--batch-size {opts.batch_size} must be at least 1")
+
+    out = opts.out or (
+        opts.artifacts_root
+        / model.name
+        / f"{target.name}-{arch}-{dtype}-{height}x{width}-b{opts.batch_size}"
+    )
+    out = Path(out).absolute()
+    _check_writable(out)
+    unknown = set(opts.submodules) - set(SUBMODULES)
+    if unknown:
+        raise UserError(f"unknown submodule(s) {sorted(unknown)}: choose from {SUBMODULES}")
+    return Plan(
+        model=model,
+        registry=registry,
+        target=target,
+        arch=arch,
+        dtype=dtype,
+        height=height,
+        width=width,
+        batch_size=opts.batch_size,
+        out=out,
+        shared=out.parent,
+        submodules=tuple(opts.submodules),
+        configs=configs,
+    )
+
+
+def _check_writable(out: Path) -> None:
+    """Fail early, without creating anything, when out cannot be created or written."""
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory")
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write to {out} ({probe} is not writable); choose another --out")
+
+
+def flags_for(plan: Plan, submodule: str) -> tuple[list[str], dict[str, str]]:
+    """The full iree-compile flag list for a submodule, and {spec path: sha256} it uses."""
+    t = plan.target
+    flags = [*t.flags, *t.arch(plan.arch).flags, *t.submodule_flags.get(submodule, ())]
+    specs = {}
+    spec_rel = t.tuning_specs.get(submodule) or t.tuning_specs.get("*")
+    if spec_rel:
+        spec = plan.registry.spec_path(spec_rel)
+        if not spec.is_file():
+            raise UserError(f"tuning spec {spec} named in targets.json does not exist")
+        specs[spec_rel] = sha256_file(spec)
+        flags.append(f"--iree-codegen-tuning-spec-path={spec}")
+    return flags, specs
+
+
+def _versions() -> dict:
+    from importlib.metadata import version
+
+    names = ("torch", "diffusers", "transformers", "iree-turbine", "iree-base-compiler")
+    return {"sdiree": SDIREE_VERSION, **{n: version(n) for n in names}}
+
+
+class Builder:
+    def __init__(self, plan: Plan, reporter: Reporter):
+        self.plan = plan
+        self.r = reporter
+        self.versions = _versions()
+        self.model_hash = ""
+        self._torch_models: dict = {}
+        self._plans: dict = {}
+
+    # -- keys ---------------------------------------------------------------------------
+    def export_options(self) -> dict:
+        return dict(self.plan.target.export)
+
+    def export_key(self, submodule: str) -> str:
+        p = self.plan
+        return sha256_json(
+            {
+                "model": self.model_hash,
+                "submodule": submodule,
+                "dtype": p.dtype,
+                "shape": [p.batch_size, p.height, p.width],
+                "export": self.export_options(),
+                "versions": self.versions,
+            }
+        )
+
+    def mlir_path(self, submodule: str) -> Path:
+        return self.plan.shared / "mlir" / f"{submodule}-{self.export_key(submodule)[:16]}.mlirbc"
+
+    def params_path(self, scope: str) -> Path:
+        p = self.plan
+        return p.shared / "params" / f"{self.model_hash[:16]}-{p.dtype}" / f"{scope}.irpa"
+
+    # -- torch side, loaded only when something must be exported -------------------------
+    def torch_model(self, component: str):
+        if component not in self._torch_models:
+            with self.r.stage("load", component):
+                self._torch_models[component] = self.plan.model.load(component)
+        return self._torch_models[component]
+
+    def export_plan(self, submodule: str):
+        if submodule in self._plans:
+            return self._plans[submodule]
+        from .exporters import plan_for
+
+        self._plans[submodule] = plan_for(self, submodule)
+        return self._plans[submodule]
+
+    # -- stages ------------------------------------------------------------------------
+    def ensure_mlir(self, submodule: str) -> Path:
+        path = self.mlir_path(submodule)
+        if path.is_file() and self.signature_path(submodule).is_file():
+            self.r.reused("export", submodule)
+            return path
+        from .exporters.base import export_to_mlir
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        xplan = self.export_plan(submodule)
+        with self.r.stage("export", submodule):
+            with atomic_path(path) as tmp:
+                export_to_mlir(xplan, tmp)
+            atomic_write_json(self.signature_path(submodule), xplan.signature_json())
+        return path
+
+    def signature_path(self, submodule: str) -> Path:
+        return self.mlir_path(submodule).with_suffix(".json")
+
+    def export_signature(self, submodule: str) -> dict:
+        """Entry functions of an exported submodule, saved beside its MLIR at export time."""
+        return json.loads(self.signature_path(submodule).read_text())
+
+    def ensure_params(self, submodule: str) -> tuple[Path, str]:
+        from .exporters import scope_for
+
+        scope = scope_for(submodule)
+        path = self.params_path(scope)
+        digest_path = path.with_suffix(".irpa.sha256")
+        if path.is_file() and digest_path.is_file():
+            self.r.reused("parameters", scope, "shared archive exists")
+            return path, digest_path.read_text().strip()
+        from .exporters.base import save_parameters
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        xplan = self.export_plan(submodule)
+        with self.r.stage("parameters", scope):
+            with atomic_path(path) as tmp:
+                save_parameters(xplan.params_module, tmp)
+            digest = sha256_file(path)
+            with atomic_path(digest_path) as tmp:
+                tmp.write_text(digest + "\n")
+        return path, digest
+
+    def ensure_vmfb(self, submodule: str, mlir: Path, state: dict) -> dict:
+        from .iree_compile import compile_mlir
+
+        flags, specs = flags_for(self.plan, submodule)
+        key = sha256_json(
+            {
+                "mlir": sha256_file(mlir),
+                "flags": flags,
+                "specs": specs,
+                "compiler": self.versions["iree-base-compiler"],
+            }
+        )
+        vmfb = self.plan.out / f"{submodule}.vmfb"
+        prev = state.get(submodule, {})
+        if prev.get("compile_key") == key and vmfb.is_file():
+            if sha256_file(vmfb) == prev.get("vmfb_sha256"):
+                self.r.reused("compile", submodule)
+                return prev
+        with self.r.stage("compile", submodule):
+            compile_mlir(mlir, vmfb, flags, self.plan.out / f"{submodule}.compile.log")
+        entry = {
+            "compile_key": key,
+            "vmfb_sha256": sha256_file(vmfb),
+            "flags": flags,
+            "tuning_specs": specs,
+        }
+        state[submodule] = entry
+        atomic_write_json(self.plan.out / BUILD_STATE, state)
+        return entry
+
+
+def compile_model(opts: CompileOptions, reporter: Reporter | None = None) -> Path:
+    """Build (or bring up to date) one artifact directory; returns its manifest path."""
+    r = reporter or Reporter()
+    plan = resolve(opts, r)
+    b = Builder(plan, r)
+    with r.stage("hash", "model"):
+        b.model_hash = plan.model.content_hash()
+
+    plan.out.mkdir(parents=True, exist_ok=True)
+    for d in (plan.out, plan.shared / "mlir"):
+        remove_stale_temps(d)
+    state_path = plan.out / BUILD_STATE
+    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
+
+    manifest_path = plan.out / MANIFEST_NAME
+    up_to_date = _up_to_date(b, state, manifest_path)
+    if up_to_date:
+        r.say(f"up to date: nothing to recompile in {plan.out}")
+        return manifest_path
+    # From here files the old manifest names may change: drop it first, write it again last.
+    if manifest_path.exists():
+        manifest_path.unlink()
+
+    results = {}
+    for sub in plan.submodules:
+        mlir = b.ensure_mlir(sub)
+        params, params_sha = b.ensure_params(sub)
+        compiled = b.ensure_vmfb(sub, mlir, state)
+        results[sub] = {"mlir": mlir, "params": params, "params_sha256": params_sha, **compiled}
+
+    runtime_files = _copy_runtime_files(plan, r)
+    signatures = {sub: b.export_signature(sub) for sub in plan.submodules}
+    manifest = build_manifest(b, results, signatures, runtime_files)
+    atomic_write_json(manifest_path, manifest)
+    r.say(r.summary())
+    r.say(f"wrote {manifest_path}")
+    return manifest_path
+
+
+def _up_to_date(b: Builder, state: dict, manifest_path: Path) -> bool:
+    """True when the manifest exists and every stage's key and file still match."""
+    if not manifest_path.is_file():
+        return False
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError:
+        return False
+    plan = b.plan
+    if manifest.get("build", {}).get("model_hash") != b.model_hash:
+        return False
+    if set(manifest.get("submodules", {})) != set(plan.submodules):
+        return False
+    for sub in plan.submodules:
+        mlir = b.mlir_path(sub)
+        if not mlir.is_file() or not b.signature_path(sub).is_file():
+            return False
+        flags, specs = flags_for(plan, sub)
+        key = sha256_json(
+            {
+                "mlir": sha256_file(mlir),
+                "flags": flags,
+                "specs": specs,
+                "compiler": b.versions["iree-base-compiler"],
+            }
+        )
+        if state.get(sub, {}).get("compile_key") != key:
+            return False
+    for rel, digest in manifest.get("files", {}).items():
+        p = (plan.out / rel).resolve()
+        if not p.is_file() or (p.suffix != ".irpa" and sha256_file(p) != digest):
+            return False
+    for sub in plan.submodules:
+        b.r.reused("compile", sub)
+    return True
+
+
+def _copy_runtime_files(plan: Plan, r: Reporter) -> dict[str, Path]:
+    """Tokenizer files and the scheduler config, which the torch-free runtime reads."""
+    files = {}
+    tok_src = plan.model.path / "tokenizer"
+    tok_dst = plan.out / "tokenizer"
+    tok_dst.mkdir(exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (tok_src / name).is_file():
+            atomic_copy(tok_src / name, tok_dst / name)
+            files[f"tokenizer/{name}"] = tok_dst / name
+    for needed in ("vocab.json", "merges.txt"):
+        if f"tokenizer/{needed}" not in files:
+            raise UserError(f"{tok_src} has no {needed}; sdiree needs a CLIP BPE tokenizer")
+    sched_dst = plan.out / "scheduler"
+    sched_dst.mkdir(exist_ok=True)
+    atomic_copy(plan.model.path / "scheduler" / "scheduler_config.json", sched_dst / "scheduler_config.json")
+    files["scheduler/scheduler_config.json"] = sched_dst / "scheduler_config.json"
+    r.say("[runtime files] tokenizer and scheduler config copied")
+    return files

@@ -1,0 +1,52 @@
+"""One exporter per submodule: text encoder, UNet, VAE decoder and encoder.
+
+`plan_for` maps a submodule name to its exporter with the shapes, dtype and export choices of a
+compile; `scope_for` names the parameter scope (the VAE's two halves share one).
+"""
+
+from __future__ import annotations
+
+SCOPES = {"text_encoder": "text_encoder", "unet": "unet", "vae_decoder": "vae", "vae_encoder": "vae"}
+COMPONENTS = {"text_encoder": "text_encoder", "unet": "unet", "vae_decoder": "vae", "vae_encoder": "vae"}
+
+
+def scope_for(submodule: str) -> str:
+    return SCOPES[submodule]
+
+
+def plan_for(builder, submodule: str):
+    """The ExportPlan of one submodule for the builder's compile plan."""
+    from .base import TORCH_DTYPES
+    from .text_encoder import plan_text_encoder
+    from .unet import plan_unet
+    from .vae import plan_vae_decoder, plan_vae_encoder
+
+    p = builder.plan
+    dtype = TORCH_DTYPES[p.dtype]
+    attention = builder.export_options().get("attention", "sdpa")
+    model = builder.torch_model(COMPONENTS[submodule])
+    te_cfg = p.configs["text_encoder"]
+    max_length = te_cfg.get("max_position_embeddings", 77)
+    if submodule == "text_encoder":
+        return plan_text_encoder(
+            model,
+            submodule=submodule,
+            batch=p.batch_size,
+            max_length=max_length,
+            dtype=dtype,
+            attention=attention,
+        )
+    if submodule == "unet":
+        return plan_unet(
+            model,
+            batch=p.batch_size,
+            latent_hw=p.latent_hw,
+            text_len=max_length,
+            text_dim=p.configs["unet"]["cross_attention_dim"],
+            dtype=dtype,
+            attention=attention,
+        )
+    vae_plan = plan_vae_decoder if submodule == "vae_decoder" else plan_vae_encoder
+    return vae_plan(
+        model, batch=p.batch_size, image_hw=(p.height, p.width), dtype=dtype, attention=attention
+    )

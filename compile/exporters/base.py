@@ -1,0 +1,89 @@
+"""What every exporter shares: tensor/function signatures and the turbine export call.
+
+An exporter turns one diffusers/transformers submodule into an MLIR module whose parameters are
+externalized under a scope (`#flow.parameter.named<"scope"::"name">`). Parameter names are those
+of the inner model's own state dict, so one parameter archive serves every target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+NUMPY_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.int64: "int64",
+    torch.int32: "int32",
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name
+
+    def example(self) -> torch.Tensor:
+        torch_dtype = {v: k for k, v in NUMPY_DTYPE_NAMES.items()}[self.dtype]
+        if torch_dtype.is_floating_point:
+            return torch.zeros(self.shape, dtype=torch_dtype)
+        return torch.ones(self.shape, dtype=torch_dtype)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+
+@dataclass(frozen=True)
+class FunctionSpec:
+    """One entry function: its inputs, outputs and the Python callable traced for it."""
+
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    fn: Callable = field(compare=False, repr=False)
+
+    def to_json(self) -> dict:
+        return {
+            "inputs": [t.to_json() for t in self.inputs],
+            "outputs": [t.to_json() for t in self.outputs],
+        }
+
+
+@dataclass
+class ExportPlan:
+    """Everything needed to export one submodule and save its parameters."""
+
+    submodule: str  # e.g. "unet", "vae_decoder"
+    scope: str  # parameter scope, e.g. "unet", "vae"
+    root: torch.nn.Module  # what the entry functions are traced on
+    params_module: torch.nn.Module  # whose state dict names the parameters
+    functions: list[FunctionSpec]
+    # Export choices that change the MLIR (attention lowering, ...), for cache keys.
+    options: dict = field(default_factory=dict)
+
+    def signature_json(self) -> dict:
+        return {f.name: f.to_json() for f in self.functions}
+
+
+def export_to_mlir(plan: ExportPlan, mlir_path: Path) -> None:
+    """Trace every entry function of plan and write one MLIR module (bytecode) to mlir_path."""
+    from iree.turbine import aot
+
+    aot.externalize_module_parameters(plan.params_module, external_scope=plan.scope)
+    fxb = aot.FxProgramsBuilder(plan.root)
+    for spec in plan.functions:
+        fxb.export_program(spec.fn, name=spec.name, args=tuple(t.example() for t in spec.inputs))
+    output = aot.export(fxb, module_name=plan.submodule)
+    output.save_mlir(mlir_path)
+
+
+def save_parameters(module: torch.nn.Module, path: Path) -> None:
+    """Write module's parameters and persistent buffers to an .irpa archive at path."""
+    from iree.turbine import aot
+
+    aot.save_module_parameters(path, module)

@@ -1,0 +1,94 @@
+"""Compose manifest.json (schema in sdiree.runtime.manifest) from a finished build."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sdiree.runtime.fileutil import sha256_file
+from sdiree.runtime.manifest import SCHEMA_VERSION
+
+from .exporters import scope_for
+
+
+def _rel(path: Path, root: Path) -> str:
+    return os.path.relpath(path, root)
+
+
+def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict) -> dict:
+    plan = builder.plan
+    out = plan.out
+    arch = plan.target.arch(plan.arch)
+    files: dict[str, str] = {}
+    submodules = {}
+    for sub, res in results.items():
+        vmfb_rel = _rel(out / f"{sub}.vmfb", out)
+        params_rel = _rel(res["params"], out)
+        files[vmfb_rel] = res["vmfb_sha256"]
+        files[params_rel] = res["params_sha256"]
+        submodules[sub] = {
+            "vmfb": vmfb_rel,
+            "parameters": params_rel,
+            "scope": scope_for(sub),
+            "mlir": _rel(res["mlir"], out),
+            "functions": signatures[sub],
+            "flags": res["flags"],
+            "tuning_specs": res["tuning_specs"],
+        }
+    for rel_name, path in runtime_files.items():
+        files[rel_name] = sha256_file(path)
+
+    te_cfg = plan.configs["text_encoder"]
+    vae_cfg = plan.configs["vae"]
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "sdiree_version": builder.versions["sdiree"],
+        "iree_compiler_version": builder.versions["iree-base-compiler"],
+        "versions": builder.versions,
+        "model": {
+            "name": plan.model.name,
+            "source": str(plan.model.path.resolve()),
+            "family": "sd1",
+            "pipeline_class": plan.model.index.get("_class_name"),
+            "content_hash": builder.model_hash,
+        },
+        "target": {
+            "name": plan.target.name,
+            "arch": plan.arch,
+            "arch_description": arch.description,
+            "arch_cpu_emulated": arch.cpu_emulated,
+            "driver": plan.target.driver,
+            "export": builder.export_options(),
+        },
+        "dtype": plan.dtype,
+        "image": {
+            "height": plan.height,
+            "width": plan.width,
+            "batch_size": plan.batch_size,
+            "latent_channels": plan.configs["unet"]["in_channels"],
+            "latent_height": plan.latent_hw[0],
+            "latent_width": plan.latent_hw[1],
+            "vae_scale_factor": plan.vae_factor,
+        },
+        "vae_scaling": {
+            "factor": vae_cfg.get("scaling_factor", 0.18215),
+            "applied_by": "module",
+            "note": "vae_decoder divides latents by the factor; vae_encoder multiplies the mean",
+        },
+        "text_encoders": [
+            {
+                "submodule": "text_encoder",
+                "max_length": te_cfg.get("max_position_embeddings", 77),
+                "hidden_size": te_cfg["hidden_size"],
+                "tokenizer": "tokenizer",
+                "pooled": "pooled_output",
+            }
+        ],
+        "scheduler": {
+            "config": "scheduler/scheduler_config.json",
+            "class": plan.model.index.get("scheduler", [None, None])[1],
+        },
+        "submodules": submodules,
+        "files": files,
+        "build": {"model_hash": builder.model_hash},
+    }

@@ -1,0 +1,118 @@
+"""Numpy schedulers, one self-contained file each, plus a registry by command-line name."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .base import NoiseGenerator, Scheduler
+from .ddim import DDIMScheduler
+from .dpmpp_2m import DPMSolverMultistepScheduler
+from .euler import EulerDiscreteScheduler
+from .euler_ancestral import EulerAncestralDiscreteScheduler
+from .lcm import LCMScheduler
+from .lms import LMSDiscreteScheduler
+from .pndm import PNDMScheduler
+
+__all__ = [
+    "DEFAULT_STEPS",
+    "NAMES",
+    "SAMPLER_LABELS",
+    "NoiseGenerator",
+    "Scheduler",
+    "create",
+    "name_for_class",
+    "name_for_config",
+]
+
+NAMES = ["euler", "euler-a", "ddim", "pndm", "dpmpp-2m", "dpmpp-2m-karras", "lms", "lcm"]
+
+# name -> (class, options forced on top of the loaded config)
+_REGISTRY: dict[str, tuple[type[Scheduler], dict[str, Any]]] = {
+    "euler": (EulerDiscreteScheduler, {}),
+    "euler-a": (EulerAncestralDiscreteScheduler, {}),
+    "ddim": (DDIMScheduler, {}),
+    "pndm": (PNDMScheduler, {}),
+    "dpmpp-2m": (DPMSolverMultistepScheduler, {"use_karras_sigmas": False}),
+    "dpmpp-2m-karras": (DPMSolverMultistepScheduler, {"use_karras_sigmas": True}),
+    "lms": (LMSDiscreteScheduler, {}),
+    "lcm": (LCMScheduler, {}),
+}
+
+# Default inference steps: 25 for Euler, Euler a and DPM++ 2M (SD images have settled by then),
+# 50 for DDIM, PLMS and LMS (diffusers' pipeline default; these lose more at low step counts),
+# 4 for LCM (distilled for 2-8 steps).
+DEFAULT_STEPS = {
+    "euler": 25,
+    "euler-a": 25,
+    "ddim": 50,
+    "pndm": 50,
+    "dpmpp-2m": 25,
+    "dpmpp-2m-karras": 25,
+    "lms": 50,
+    "lcm": 4,
+}
+
+# AUTOMATIC1111 web UI sampler names.
+SAMPLER_LABELS = {
+    "euler": "Euler",
+    "euler-a": "Euler a",
+    "ddim": "DDIM",
+    "pndm": "PLMS",
+    "dpmpp-2m": "DPM++ 2M",
+    "dpmpp-2m-karras": "DPM++ 2M Karras",
+    "lms": "LMS",
+    "lcm": "LCM",
+}
+
+_CLASS_TO_NAME = {
+    "EulerDiscreteScheduler": "euler",
+    "EulerAncestralDiscreteScheduler": "euler-a",
+    "DDIMScheduler": "ddim",
+    "PNDMScheduler": "pndm",
+    "DPMSolverMultistepScheduler": "dpmpp-2m",
+    "LMSDiscreteScheduler": "lms",
+    "LCMScheduler": "lcm",
+}
+
+
+def create(name: str, config: Mapping[str, Any] | None = None) -> Scheduler:
+    """Build scheduler ``name`` from a diffusers scheduler_config.json dict.
+
+    Like ``SchedulerClass.from_config(config)``: keys the class does not take are ignored, missing
+    ones take that class's diffusers default. Options the name implies (e.g. Karras sigmas for
+    "dpmpp-2m-karras") override the config.
+    """
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown scheduler {name!r}; valid names: {', '.join(NAMES)}")
+    cls, forced = _REGISTRY[name]
+    return cls(config, **forced)
+
+
+def name_for_class(class_name: str) -> str | None:
+    """Our name for a diffusers scheduler class name, or None if there is no port of it.
+
+    DPMSolverMultistepScheduler maps to "dpmpp-2m"; use name_for_config to see Karras sigmas.
+    """
+    return _CLASS_TO_NAME.get(class_name)
+
+
+def name_for_config(config: Mapping[str, Any]) -> str | None:
+    """Our name for a scheduler_config.json dict (its ``_class_name`` and relevant options).
+
+    Returns None when the class has no port, or for DPMSolverMultistepScheduler configs that are
+    not DPM++ 2M (another algorithm_type, solver_order or solver_type).
+    """
+    defaulted = set(config.get("_use_default_values") or ())
+    config = {k: v for k, v in config.items() if k not in defaulted}
+    name = name_for_class(str(config.get("_class_name", "")))
+    if name == "dpmpp-2m":
+        if (
+            config.get("algorithm_type", "dpmsolver++") != "dpmsolver++"
+            or config.get("solver_order", 2) != 2
+            or config.get("solver_type", "midpoint") != "midpoint"
+        ):
+            return None
+        if config.get("use_karras_sigmas"):
+            return "dpmpp-2m-karras"
+    return name

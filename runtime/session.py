@@ -1,0 +1,70 @@
+"""A loaded artifact: its modules and parameters in one IREE context on one device.
+
+Parameters are loaded through an io_parameters module backed by a ParameterIndex over the
+archive files (memory-mapped, never copied into Python). Every call checks its inputs against
+the names, shapes and dtypes the manifest declares before the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from .device import DeviceInfo, create_device, to_host
+from .errors import UserError
+from .manifest import FunctionDecl, Manifest
+
+
+class Session:
+    def __init__(self, manifest: Manifest, device_info: DeviceInfo, submodules: Iterable[str]):
+        import iree.runtime as rt
+
+        self.manifest = manifest
+        self.device_info = device_info
+        self.device = create_device(device_info)
+        self.instance = rt.VmInstance()
+        hal = rt.create_hal_module(self.instance, self.device)
+        modules = [hal]
+        indices = {}  # one ParameterIndex per (file, scope)
+        for name in submodules:
+            sub = manifest.submodules[name]
+            if sub.parameters and (sub.parameters, sub.scope) not in indices:
+                idx = rt.ParameterIndex()
+                idx.load(str(manifest.path(sub.parameters)))
+                indices[(sub.parameters, sub.scope)] = idx
+        providers = [idx.create_provider(scope=scope) for (_, scope), idx in indices.items()]
+        if providers:
+            modules.insert(0, rt.create_io_parameters_module(self.instance, *providers))
+        self._vm_modules = {}
+        for name in submodules:
+            sub = manifest.submodules[name]
+            self._vm_modules[name] = rt.VmModule.mmap(
+                self.instance, str(manifest.path(sub.vmfb))
+            )
+        self.context = rt.VmContext(self.instance, modules=[*modules, *self._vm_modules.values()])
+        self._functions = {}
+        for name, vm in self._vm_modules.items():
+            for fname in manifest.submodules[name].functions:
+                fn = vm.lookup_function(fname)
+                if fn is None:
+                    raise UserError(f"{name}.vmfb has no function {fname}; recompile the model")
+                self._functions[(name, fname)] = rt.FunctionInvoker(self.context, self.device, fn)
+
+    def decl(self, submodule: str, function: str) -> FunctionDecl:
+        return self.manifest.submodules[submodule].functions[function]
+
+    def call(self, submodule: str, function: str, *args: np.ndarray) -> list[np.ndarray]:
+        decl = self.decl(submodule, function)
+        if len(args) != len(decl.inputs):
+            raise ValueError(f"{submodule}.{function} takes {len(decl.inputs)} inputs")
+        for a, d in zip(args, decl.inputs, strict=True):
+            if tuple(a.shape) != d.shape or a.dtype != np.dtype(d.dtype):
+                raise ValueError(
+                    f"{submodule}.{function} input '{d.name}' must be {d.dtype}{list(d.shape)}, "
+                    f"got {a.dtype}{list(a.shape)}"
+                )
+        results = self._functions[(submodule, function)](*[np.ascontiguousarray(a) for a in args])
+        if not isinstance(results, (list, tuple)):
+            results = [results]
+        return [to_host(self.device, r) for r in results]

@@ -1,0 +1,115 @@
+"""The target registry: specs/targets.json read into typed records.
+
+Targets, their arch presets, flags, export choices and tuning specs are data; this module only
+reads and validates them. Both sides use it: compile for flags, run for drivers and arch checks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from .errors import UserError
+
+SCHEMA_VERSION = 1
+DTYPES = ("fp32", "fp16")
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    description: str
+    flags: tuple[str, ...]
+    device_match: tuple[str, ...] = ()
+    cpu_emulated: bool = False
+
+    def matches_device(self, device_name: str) -> bool:
+        return any(re.search(p, device_name, re.IGNORECASE) for p in self.device_match)
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    description: str
+    driver: str
+    default_dtype: str
+    dtypes: tuple[str, ...]
+    default_arch: str
+    export: dict
+    flags: tuple[str, ...]
+    submodule_flags: dict[str, tuple[str, ...]]
+    tuning_specs: dict[str, str]
+    arches: dict[str, Arch] = field(default_factory=dict)
+
+    def arch(self, name: str) -> Arch:
+        if name not in self.arches:
+            raise UserError(
+                f"unknown arch '{name}' for target {self.name}: choose one of "
+                f"{', '.join(self.arches)}"
+                + (" or auto" if self.default_arch == "auto" else "")
+            )
+        return self.arches[name]
+
+
+@dataclass(frozen=True)
+class Registry:
+    specs_dir: Path
+    targets: dict[str, Target]
+
+    def target(self, name: str) -> Target:
+        if name not in self.targets:
+            raise UserError(f"unknown target '{name}': choose one of {', '.join(self.targets)}")
+        return self.targets[name]
+
+    def spec_path(self, relative: str) -> Path:
+        return self.specs_dir / relative
+
+
+def default_specs_dir() -> Path:
+    return Path(str(resources.files("sdiree.specs")))
+
+
+def load_registry(specs_dir: Path | None = None) -> Registry:
+    """Read targets.json from specs_dir (default: the shipped specs)."""
+    specs_dir = Path(specs_dir) if specs_dir else default_specs_dir()
+    path = specs_dir / "targets.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"no targets.json in specs directory {specs_dir}") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e}); fix or restore it") from None
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise UserError(
+            f"{path} has schema_version {data.get('schema_version')}, this sdiree reads "
+            f"{SCHEMA_VERSION}"
+        )
+    targets = {}
+    for name, t in data["targets"].items():
+        arches = {
+            a: Arch(
+                name=a,
+                description=spec.get("description", ""),
+                flags=tuple(spec.get("flags", ())),
+                device_match=tuple(spec.get("device_match", ())),
+                cpu_emulated=bool(spec.get("cpu_emulated", False)),
+            )
+            for a, spec in t["arches"].items()
+        }
+        targets[name] = Target(
+            name=name,
+            description=t.get("description", ""),
+            driver=t["driver"],
+            default_dtype=t["default_dtype"],
+            dtypes=tuple(t.get("dtypes", DTYPES)),
+            default_arch=t["default_arch"],
+            export=dict(t.get("export", {})),
+            flags=tuple(t.get("flags", ())),
+            submodule_flags={k: tuple(v) for k, v in t.get("submodule_flags", {}).items()},
+            tuning_specs=dict(t.get("tuning_specs", {})),
+            arches=arches,
+        )
+    return Registry(specs_dir=specs_dir, targets=targets)

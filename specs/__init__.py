@@ -1,0 +1,1 @@
+"""sdiree.specs: per-target flags, arch presets and tuning specs, as data (targets.json)."""
