@@ -1,0 +1,222 @@
+"""DPM-Solver++(2M) sampler ("DPM++ 2M", "DPM++ 2M Karras"): numpy port of diffusers'
+DPMSolverMultistepScheduler restricted to algorithm_type="dpmsolver++", solver_order=2,
+solver_type="midpoint".
+
+Lu et al. 2022 (arXiv 2211.01095), multistep second order in the data-prediction form. With
+lambda = log(alpha / sigma) and h = lambda_next - lambda_cur:
+
+    x_next = (sigma_next / sigma_cur) x - alpha_next (e^-h - 1) (D0 + D1 / 2)
+    D0 = x0_cur, D1 = (x0_cur - x0_prev) / r, r = h_prev / h   (first step and, by default, the
+    last step use D1 = 0, i.e. DPM-Solver++ 1 = DDIM)
+
+The algorithm/order/solver keys of a config are overridden by this class (they define the
+sampler); everything else (spacing, Karras sigmas, final sigma, lower_order_final, euler_at_final,
+lambda_min_clipped, thresholding) follows the config like diffusers' from_config.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .base import (
+    TIMESTEP_SPACINGS,
+    NoiseGenerator,
+    Scheduler,
+    check_choice,
+    check_num_inference_steps,
+    cumprod_alphas,
+    index_for_timestep,
+    interp_sigmas,
+    karras_sigmas,
+    make_betas,
+    reject_options,
+    rescale_zero_terminal_snr,
+    sigma_to_t,
+    threshold_sample,
+    train_sigmas,
+)
+
+# The keys that make this "DPM++ 2M"; forced whatever the loaded config says.
+FIXED_OPTIONS = {"algorithm_type": "dpmsolver++", "solver_order": 2, "solver_type": "midpoint"}
+
+
+class DPMSolverMultistepScheduler(Scheduler):
+    CLASS_NAME = "DPMSolverMultistepScheduler"
+    DEFAULTS = {
+        "num_train_timesteps": 1000,
+        "beta_start": 0.0001,
+        "beta_end": 0.02,
+        "beta_schedule": "linear",
+        "trained_betas": None,
+        "solver_order": 2,
+        "prediction_type": "epsilon",
+        "thresholding": False,
+        "dynamic_thresholding_ratio": 0.995,
+        "sample_max_value": 1.0,
+        "algorithm_type": "dpmsolver++",
+        "solver_type": "midpoint",
+        "lower_order_final": True,
+        "euler_at_final": False,
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        "use_lu_lambdas": False,
+        "use_flow_sigmas": False,
+        "flow_shift": 1.0,
+        "final_sigmas_type": "zero",
+        "lambda_min_clipped": -float("inf"),
+        "variance_type": None,
+        "timestep_spacing": "linspace",
+        "steps_offset": 0,
+        "rescale_betas_zero_snr": False,
+        "use_dynamic_shifting": False,
+        "time_shift_type": "exponential",
+    }
+
+    def __init__(self, config: dict[str, Any] | None = None, **overrides: Any) -> None:
+        super().__init__(config, **{**FIXED_OPTIONS, **overrides})
+        cfg = self.config
+        reject_options(
+            self.CLASS_NAME,
+            cfg,
+            "use_exponential_sigmas",
+            "use_beta_sigmas",
+            "use_lu_lambdas",
+            "use_flow_sigmas",
+            "use_dynamic_shifting",
+            "variance_type",
+        )
+        for key, value in FIXED_OPTIONS.items():
+            check_choice(self.CLASS_NAME, cfg, key, (value,))
+        check_choice(self.CLASS_NAME, cfg, "prediction_type", ("epsilon", "sample", "v_prediction"))
+        check_choice(self.CLASS_NAME, cfg, "final_sigmas_type", ("zero", "sigma_min"))
+        check_choice(self.CLASS_NAME, cfg, "timestep_spacing", TIMESTEP_SPACINGS)
+        betas = make_betas(cfg)
+        if cfg["rescale_betas_zero_snr"]:
+            betas = rescale_zero_terminal_snr(betas)
+        self.alphas_cumprod = cumprod_alphas(betas)
+        if cfg["rescale_betas_zero_snr"]:
+            # Zero SNR would give an infinite sigma; diffusers pins it to a tiny alpha instead.
+            self.alphas_cumprod[-1] = 2.0**-24
+        self._train_sigmas = train_sigmas(self.alphas_cumprod)
+        # log(alpha_t / sigma_t) per training step, float32 as diffusers keeps it.
+        self._train_lambdas = np.log(np.sqrt(self.alphas_cumprod)) - np.log(
+            np.sqrt(np.float32(1.0) - self.alphas_cumprod)
+        )
+        self.sigmas = self._train_sigmas.copy()
+        self._reset_history()
+
+    def _reset_history(self) -> None:
+        self._step_index: int | None = None
+        self._prev_x0: np.ndarray | None = None
+        self._lower_order_nums = 0
+
+    def set_timesteps(self, num_inference_steps: int) -> None:
+        n = check_num_inference_steps(num_inference_steps)
+        cfg = self.config
+        t_train = int(cfg["num_train_timesteps"])
+        # Skip the tail of the schedule where lambda falls below lambda_min_clipped.
+        clipped = int(np.searchsorted(self._train_lambdas[::-1], cfg["lambda_min_clipped"]))
+        last = t_train - clipped
+        spacing = cfg["timestep_spacing"]
+        # n + 1 points including 0, of which 0 is dropped (differs from the other samplers).
+        if spacing == "linspace":
+            timesteps = np.linspace(0, last - 1, n + 1).round()[::-1][:-1]
+        elif spacing == "leading":
+            ratio = last // (n + 1)
+            timesteps = (np.arange(n + 1) * ratio)[::-1][:-1] + int(cfg["steps_offset"])
+        else:  # trailing
+            timesteps = np.arange(last, 0, -t_train / n).round() - 1
+        timesteps = timesteps.astype(np.int64)
+
+        if cfg["use_karras_sigmas"]:
+            sigmas = karras_sigmas(float(self._train_sigmas[0]), float(self._train_sigmas[-1]), n)
+            t_frac = sigma_to_t(sigmas, np.log(self._train_sigmas))
+            if cfg["beta_schedule"] != "squaredcos_cap_v2":
+                t_frac = t_frac.round()
+            timesteps = t_frac.astype(np.int64)
+        else:
+            sigmas = interp_sigmas(timesteps, self._train_sigmas)
+        last_sigma = (
+            float(self._train_sigmas[0]) if cfg["final_sigmas_type"] == "sigma_min" else 0.0
+        )
+        self.sigmas = np.concatenate([sigmas, [last_sigma]]).astype(np.float32)
+        self.timesteps = timesteps
+        self.num_inference_steps = len(timesteps)
+        self._reset_history()
+
+    @staticmethod
+    def _alpha_sigma(sigma: float) -> tuple[float, float]:
+        """VP coefficients (alpha_t, sigma_t) of a Karras sigma: alpha = 1/sqrt(1+s^2)."""
+        alpha = 1.0 / math.sqrt(sigma * sigma + 1.0)
+        return alpha, sigma * alpha
+
+    def _predict_x0(self, model_output: np.ndarray, sample: np.ndarray, sigma: float):
+        cfg = self.config
+        alpha_t, sigma_t = self._alpha_sigma(sigma)
+        if cfg["prediction_type"] == "epsilon":
+            x0 = (sample - sigma_t * model_output) / alpha_t
+        elif cfg["prediction_type"] == "v_prediction":
+            x0 = alpha_t * sample - sigma_t * model_output
+        else:
+            x0 = model_output
+        if cfg["thresholding"]:
+            x0 = threshold_sample(x0, cfg["dynamic_thresholding_ratio"], cfg["sample_max_value"])
+        return x0
+
+    def step(
+        self,
+        model_output: np.ndarray,
+        timestep: Any,
+        sample: np.ndarray,
+        generator: NoiseGenerator | None = None,
+    ) -> np.ndarray:
+        self._require_timesteps()
+        cfg = self.config
+        if self._step_index is None:
+            index = index_for_timestep(self.timesteps, timestep)
+            self._step_index = len(self.timesteps) - 1 if index is None else index
+        i = self._step_index
+        n = len(self.timesteps)
+        short = n < 15
+        first_order_final = i == n - 1 and (
+            cfg["euler_at_final"]
+            or (cfg["lower_order_final"] and short)
+            or cfg["final_sigmas_type"] == "zero"
+        )
+
+        sample = sample.astype(np.float32, copy=False)
+        sigma_cur = float(self.sigmas[i])
+        sigma_next = float(self.sigmas[i + 1])
+        x0 = self._predict_x0(model_output, sample, sigma_cur)
+        prev_x0, self._prev_x0 = self._prev_x0, x0
+
+        alpha_next, s_next = self._alpha_sigma(sigma_next)
+        _, s_cur = self._alpha_sigma(sigma_cur)
+        if sigma_next == 0.0:
+            # lambda_next = +inf: the update collapses to the x0 prediction.
+            prev_sample = x0
+        else:
+            lam_next = -math.log(sigma_next)  # log(alpha/sigma_t) = -log(Karras sigma)
+            lam_cur = -math.log(sigma_cur)
+            h = lam_next - lam_cur
+            phi = math.expm1(-h)
+            # h == 0 (Karras + final sigma_min repeat the last sigma): a no-op step either way.
+            if self._lower_order_nums < 1 or first_order_final or prev_x0 is None or h == 0.0:
+                prev_sample = (s_next / s_cur) * sample - (alpha_next * phi) * x0
+            else:
+                lam_prev = -math.log(float(self.sigmas[i - 1]))
+                r = (lam_cur - lam_prev) / h
+                d1 = (x0 - prev_x0) * (1.0 / r)
+                prev_sample = (
+                    (s_next / s_cur) * sample
+                    - (alpha_next * phi) * x0
+                    - (0.5 * alpha_next * phi) * d1
+                )
+        if self._lower_order_nums < 2:
+            self._lower_order_nums += 1
+        self._step_index = i + 1
+        return np.asarray(prev_sample, dtype=np.float32)
