@@ -30,6 +30,7 @@ from sdiree.runtime.targets import Registry, Target, load_registry
 from . import arch_select
 from .manifest_writer import build_manifest
 from .model_source import ModelSource, open_model
+from .quiet import quiet_libraries
 from .report import Reporter
 
 SUBMODULES = ("text_encoder", "unet", "vae_decoder", "vae_encoder")
@@ -291,6 +292,7 @@ class Builder:
 
 def compile_model(opts: CompileOptions, reporter: Reporter | None = None) -> Path:
     """Build (or bring up to date) one artifact directory; returns its manifest path."""
+    quiet_libraries()
     r = reporter or Reporter()
     plan = resolve(opts, r)
     b = Builder(plan, r)
@@ -380,7 +382,9 @@ def _copy_runtime_files(plan: Plan, r: Reporter) -> dict[str, Path]:
             raise UserError(f"{tok_src} has no {needed}; sdiree needs a CLIP BPE tokenizer")
     sched_dst = plan.out / "scheduler"
     sched_dst.mkdir(exist_ok=True)
-    atomic_copy(plan.model.path / "scheduler" / "scheduler_config.json", sched_dst / "scheduler_config.json")
+    atomic_copy(
+        plan.model.path / "scheduler" / "scheduler_config.json", sched_dst / "scheduler_config.json"
+    )
     files["scheduler/scheduler_config.json"] = sched_dst / "scheduler_config.json"
     r.say("[runtime files] tokenizer and scheduler config copied")
     return files

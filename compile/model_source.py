@@ -45,9 +45,7 @@ class ModelSource:
         h = hashlib.sha256()
         files = [self.path / "model_index.json"]
         for comp in self.components():
-            files += sorted(
-                p for p in (self.path / comp).rglob("*") if p.suffix in HASHED_SUFFIXES
-            )
+            files += sorted(p for p in (self.path / comp).rglob("*") if p.suffix in HASHED_SUFFIXES)
         for p in files:
             h.update(str(p.relative_to(self.path)).encode() + b"\0")
             with open(p, "rb") as f:

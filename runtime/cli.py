@@ -80,3 +80,7 @@ def main() -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

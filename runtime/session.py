@@ -39,9 +39,7 @@ class Session:
         self._vm_modules = {}
         for name in submodules:
             sub = manifest.submodules[name]
-            self._vm_modules[name] = rt.VmModule.mmap(
-                self.instance, str(manifest.path(sub.vmfb))
-            )
+            self._vm_modules[name] = rt.VmModule.mmap(self.instance, str(manifest.path(sub.vmfb)))
         self.context = rt.VmContext(self.instance, modules=[*modules, *self._vm_modules.values()])
         self._functions = {}
         for name, vm in self._vm_modules.items():

@@ -48,8 +48,7 @@ class Target:
         if name not in self.arches:
             raise UserError(
                 f"unknown arch '{name}' for target {self.name}: choose one of "
-                f"{', '.join(self.arches)}"
-                + (" or auto" if self.default_arch == "auto" else "")
+                f"{', '.join(self.arches)}" + (" or auto" if self.default_arch == "auto" else "")
             )
         return self.arches[name]
 

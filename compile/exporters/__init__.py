@@ -6,8 +6,18 @@ compile; `scope_for` names the parameter scope (the VAE's two halves share one).
 
 from __future__ import annotations
 
-SCOPES = {"text_encoder": "text_encoder", "unet": "unet", "vae_decoder": "vae", "vae_encoder": "vae"}
-COMPONENTS = {"text_encoder": "text_encoder", "unet": "unet", "vae_decoder": "vae", "vae_encoder": "vae"}
+SCOPES = {
+    "text_encoder": "text_encoder",
+    "unet": "unet",
+    "vae_decoder": "vae",
+    "vae_encoder": "vae",
+}
+COMPONENTS = {
+    "text_encoder": "text_encoder",
+    "unet": "unet",
+    "vae_decoder": "vae",
+    "vae_encoder": "vae",
+}
 
 
 def scope_for(submodule: str) -> str:

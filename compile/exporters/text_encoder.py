@@ -38,9 +38,11 @@ def plan_text_encoder(
     entry = TextEncoderEntry(model)
     dt = {torch.float32: "float32", torch.float16: "float16"}[dtype]
     hidden = model.config.hidden_size
-    pooled_dim = getattr(model.config, "projection_dim", hidden) if hasattr(
-        model, "text_projection"
-    ) else hidden
+    pooled_dim = (
+        getattr(model.config, "projection_dim", hidden)
+        if hasattr(model, "text_projection")
+        else hidden
+    )
 
     def encode(root, input_ids):
         return root(input_ids)

@@ -1,0 +1,434 @@
+"""Torch-free CLIP tokenizer: prompt text to the padded token ids Stable Diffusion's encoder takes.
+
+Reads a diffusers ``tokenizer/`` folder (``vocab.json`` + ``merges.txt``, or ``tokenizer.json``,
+with ``tokenizer_config.json`` / ``special_tokens_map.json``) and reproduces what
+``transformers.CLIPTokenizer`` returns for ``tokenizer(prompt, padding="max_length",
+max_length=tokenizer.model_max_length, truncation=True)``. In transformers >= 5 that class is the
+``tokenizers``-library pipeline (the same one ``CLIPTokenizerFast`` is in 4.x), replayed here:
+
+1. special ("added") tokens are cut out of the raw text first (leftmost-longest match); those
+   flagged ``normalized`` are looked for again after normalisation;
+2. normalisation: NFC, every whitespace run becomes one space, per-character lowercasing;
+3. pre-tokenisation: keep only the matches of CLIP's pattern (whitespace is dropped), split each
+   again with GPT-2's byte-level pattern, and map UTF-8 bytes to CLIP's printable characters;
+4. byte-pair merges, lowest rank first (leftmost on ties), with ``</w>`` on a word's last symbol;
+5. ``<|startoftext|>`` + at most ``max_length - 2`` ids + ``<|endoftext|>``, then pad.
+
+``legacy=True`` instead reproduces transformers 4.x's pure-Python ``CLIPTokenizer`` without ftfy
+(what diffusers used with transformers < 5): every special token cut out of the raw text, then
+BERT's BasicTokenizer clean-up (control characters dropped, other whitespace made a space,
+spaces put around CJK ideographs, NFC, whitespace split, whole-word lowercasing), CLIP's pattern
+without the GPT-2 re-split, and the literal ``<|startoftext|>``/``<|endoftext|>`` kept whole.
+The two agree on ordinary prompts; they differ on control characters, CJK, U+2028-like
+separators, a Greek final sigma and special-token look-alikes in the prompt.
+
+Only the standard library, numpy and ``regex`` (for ``\\p{L}``-style classes) are used.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import regex
+
+from .errors import UserError
+
+__all__ = ["ClipTokenizer", "TokenizedText"]
+
+_EOW = "</w>"
+_DEFAULT_MAX_LENGTH = 77  # CLIP's text position embeddings
+
+_CLIP_PATTERN = regex.compile(
+    r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
+)
+_BYTE_LEVEL_PATTERN = regex.compile(
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+)
+_WHITESPACE = regex.compile(r"\s+")
+_LEGACY_PATTERN = regex.compile(_CLIP_PATTERN.pattern, regex.IGNORECASE)
+_LEGACY_WHOLE = ("<|startoftext|>", "<|endoftext|>")
+_LEGACY_MAX_MERGES = 49152 - 256 - 2  # transformers 4.x reads at most this many merges
+# BERT's "Chinese character" blocks, which its BasicTokenizer surrounds with spaces.
+_CJK_RANGES = (
+    (0x4E00, 0x9FFF),
+    (0x3400, 0x4DBF),
+    (0x20000, 0x2A6DF),
+    (0x2A700, 0x2B73F),
+    (0x2B740, 0x2B81F),
+    (0x2B820, 0x2CEAF),
+    (0xF900, 0xFAFF),
+    (0x2F800, 0x2FA1F),
+)
+
+# Order in which transformers registers the named special tokens; a later definition of the
+# same text replaces an earlier one (and with it the ``normalized`` flag).
+_SPECIAL_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+_BYTE_CHARS = _bytes_to_unicode()
+
+
+@dataclass(frozen=True)
+class TokenizedText:
+    """One encoded prompt: ``ids`` is int64 of shape [max_length], already padded."""
+
+    ids: np.ndarray
+    num_truncated: int
+
+
+@dataclass(frozen=True)
+class _AddedToken:
+    content: str
+    id: int
+    normalized: bool
+
+
+class ClipTokenizer:
+    """CLIP byte-level BPE tokenizer with the text handling of ``transformers.CLIPTokenizer``."""
+
+    def __init__(
+        self,
+        vocab: dict[str, int],
+        merges: list[tuple[str, str]],
+        *,
+        bos_token: str = "<|startoftext|>",
+        eos_token: str = "<|endoftext|>",
+        pad_token: str = "<|endoftext|>",
+        unk_token: str | None = "<|endoftext|>",
+        model_max_length: int = _DEFAULT_MAX_LENGTH,
+        added_tokens: list[tuple[str, bool]] | None = None,
+        legacy: bool = False,
+    ) -> None:
+        """``added_tokens``: (text, normalized) pairs cut out of prompts whole, by default the
+        special tokens; ``normalized`` ones are looked for after normalisation (not in legacy
+        mode, which looks for all of them in the raw text)."""
+        self.legacy = legacy
+        self._vocab = dict(vocab)
+        # (left id, right id) -> (rank, merged id); a repeated pair keeps its last rank.
+        self._merges: dict[tuple[int, int], tuple[int, int]] = {}
+        for rank, (left, right) in enumerate(merges):
+            ids = [self._vocab.get(t) for t in (left, right, left + right)]
+            if None in ids:
+                raise UserError(
+                    f"tokenizer: merge {left!r} {right!r} uses a token not in the vocabulary"
+                )
+            self._merges[(ids[0], ids[1])] = (rank, ids[2])
+        if model_max_length < 2:
+            raise ValueError(f"model_max_length must be >= 2, got {model_max_length}")
+        self._max_length = int(model_max_length)
+        self.bos_id = self._require(bos_token, "bos_token")
+        self.eos_id = self._require(eos_token, "eos_token")
+        self._pad_id = self._require(pad_token, "pad_token")
+        self.unk_id = self._vocab.get(unk_token) if unk_token is not None else None
+        if added_tokens is None:
+            added_tokens = [(t, False) for t in (bos_token, eos_token, unk_token, pad_token) if t]
+        table: dict[str, _AddedToken] = {}
+        for content, normalized in added_tokens:
+            if content:
+                table[content] = _AddedToken(
+                    content, self._require(content, "added token"), normalized
+                )
+        raw = [t for t in table.values() if legacy or not t.normalized]
+        self._raw_added = _TokenMatcher(raw)
+        self._normalized_added = _TokenMatcher([t for t in table.values() if t not in raw])
+        self._bpe_cache: dict[str, list[int]] = {}
+
+    def _require(self, token: str, what: str) -> int:
+        if token not in self._vocab:
+            raise UserError(f"tokenizer: {what} {token!r} is not in the vocabulary")
+        return self._vocab[token]
+
+    @classmethod
+    def from_dir(cls, path: str | Path, *, legacy: bool = False) -> ClipTokenizer:
+        """Load a tokenizer folder as diffusers saves it (SD 1.x/2.x ``tokenizer/``).
+
+        ``tokenizer.json`` wins over ``vocab.json`` + ``merges.txt`` when both are present, as
+        in transformers >= 5; ``legacy=True`` reads the latter, as transformers 4.x did.
+        """
+        path = Path(path)
+        config = _read_json(path / "tokenizer_config.json") or {}
+        special = _read_json(path / "special_tokens_map.json") or {}
+
+        definitions: dict[str, tuple[str, bool]] = {}
+        for source in (config, special):
+            for key in _SPECIAL_KEYS:
+                if key in source and source[key] is not None:
+                    definitions[key] = _token_definition(source[key])
+
+        tokenizer_json = None
+        if not (legacy and (path / "vocab.json").is_file()):
+            tokenizer_json = _read_json(path / "tokenizer.json")
+        if tokenizer_json is not None:
+            vocab, merges, added = _from_tokenizer_json(tokenizer_json, path)
+        else:
+            vocab, merges = _from_vocab_files(path, legacy)
+            # No stored flags: a token given as a plain string is matched in the raw text, one
+            # given as an AddedToken dict keeps its own flag; the last definition of a text wins.
+            by_text: dict[str, bool] = {}
+            for key in _SPECIAL_KEYS:
+                if key in definitions:
+                    content, normalized = definitions[key]
+                    by_text.pop(content, None)
+                    by_text[content] = normalized
+            for extra in config.get("additional_special_tokens") or []:
+                content, normalized = _token_definition(extra)
+                by_text.pop(content, None)
+                by_text[content] = normalized
+            added = list(by_text.items())
+
+        def name(key: str, default: str | None) -> str | None:
+            return definitions[key][0] if key in definitions else default
+
+        max_length = config.get("model_max_length")
+        if not isinstance(max_length, int) or not 2 <= max_length <= 1_000_000:
+            max_length = _DEFAULT_MAX_LENGTH
+        try:
+            return cls(
+                vocab,
+                merges,
+                bos_token=name("bos_token", "<|startoftext|>"),
+                eos_token=name("eos_token", "<|endoftext|>"),
+                pad_token=name("pad_token", None) or name("eos_token", "<|endoftext|>"),
+                unk_token=name("unk_token", "<|endoftext|>"),
+                model_max_length=max_length,
+                added_tokens=added,
+                legacy=legacy,
+            )
+        except UserError as e:
+            raise UserError(f"{e} (in {path})") from None
+
+    @property
+    def max_length(self) -> int:
+        """Padded length of every encoding (the config's ``model_max_length``, 77 for SD)."""
+        return self._max_length
+
+    @property
+    def pad_id(self) -> int:
+        return self._pad_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    def encode(self, text: str) -> TokenizedText:
+        """Ids as ``tokenizer(text, padding="max_length", truncation=True)`` gives them."""
+        content = self.tokenize(text)
+        room = self._max_length - 2
+        num_truncated = max(0, len(content) - room)
+        ids = [self.bos_id, *content[:room], self.eos_id]
+        ids += [self._pad_id] * (self._max_length - len(ids))
+        return TokenizedText(ids=np.asarray(ids, dtype=np.int64), num_truncated=num_truncated)
+
+    def tokenize(self, text: str) -> list[int]:
+        """The ids of text alone: no start/end tokens, no truncation, no padding."""
+        ids: list[int] = []
+        for segment, token in self._raw_added.split(text):
+            if token is not None:
+                ids.append(token)
+            elif self.legacy:
+                for word in _LEGACY_PATTERN.findall(_legacy_normalize(segment)):
+                    if word in _LEGACY_WHOLE:
+                        ids.append(self._vocab.get(word, self.unk_id))
+                    else:
+                        ids.extend(self._bpe(word))
+            else:
+                ids.extend(self._tokenize_segment(segment))
+        return [i for i in ids if i is not None]
+
+    def _tokenize_segment(self, segment: str) -> list[int]:
+        ids: list[int] = []
+        for piece, token in self._normalized_added.split(_normalize(segment)):
+            if token is not None:
+                ids.append(token)
+                continue
+            for word in _CLIP_PATTERN.findall(piece):
+                # Only changes anything for a literal "<|endoftext|>"-like piece.
+                for sub in _BYTE_LEVEL_PATTERN.findall(word):
+                    ids.extend(self._bpe(sub))
+        return ids
+
+    def _bpe(self, word: str) -> list[int]:
+        cached = self._bpe_cache.get(word)
+        if cached is not None:
+            return cached
+        chars = [_BYTE_CHARS[b] for b in word.encode("utf-8")]
+        chars[-1] += _EOW
+        ids = [self._vocab.get(c, self.unk_id) for c in chars]
+        ids = self._merge(ids)
+        if len(self._bpe_cache) < 100_000:
+            self._bpe_cache[word] = ids
+        return ids
+
+    def _merge(self, ids: list[int | None]) -> list[int]:
+        # The tokenizers library's merge loop: a heap of (rank, position) over a linked list of
+        # symbols; the lowest rank goes first, the leftmost on ties, and an entry whose pair
+        # has changed since it was queued is skipped.
+        merges = self._merges
+        n = len(ids)
+        nxt = list(range(1, n + 1))
+        prv = list(range(-1, n - 1))
+        alive = [True] * n
+        heap = []
+        for i in range(n - 1):
+            m = merges.get((ids[i], ids[i + 1]))
+            if m is not None:
+                heap.append((m[0], i, m[1]))
+        heapq.heapify(heap)
+        while heap:
+            _, pos, new_id = heapq.heappop(heap)
+            right = nxt[pos]
+            if not alive[pos] or right >= n:
+                continue
+            m = merges.get((ids[pos], ids[right]))
+            if m is None or m[1] != new_id:
+                continue
+            ids[pos] = new_id
+            alive[right] = False
+            nxt[pos] = nxt[right]
+            if nxt[pos] < n:
+                prv[nxt[pos]] = pos
+            if prv[pos] >= 0:
+                m = merges.get((ids[prv[pos]], new_id))
+                if m is not None:
+                    heapq.heappush(heap, (m[0], prv[pos], m[1]))
+            if nxt[pos] < n:
+                m = merges.get((new_id, ids[nxt[pos]]))
+                if m is not None:
+                    heapq.heappush(heap, (m[0], pos, m[1]))
+        return [i for i, a in zip(ids, alive, strict=True) if a]
+
+
+def _normalize(text: str) -> str:
+    text = unicodedata.normalize("NFC", text)
+    text = _WHITESPACE.sub(" ", text)
+    # Per character: no context-dependent rules such as the Greek final sigma.
+    return "".join(c.lower() for c in text) if not text.isascii() else text.lower()
+
+
+def _legacy_normalize(text: str) -> str:
+    # transformers 4.x: BasicTokenizer(strip_accents=False, do_split_on_punc=False).tokenize,
+    # joined with spaces.
+    out = []
+    for c in text:
+        cp = ord(c)
+        if c in " \t\n\r":
+            out.append(" ")
+            continue
+        category = unicodedata.category(c)
+        if cp == 0 or cp == 0xFFFD or category[0] == "C":
+            continue
+        if category == "Zs":
+            out.append(" ")
+        elif any(lo <= cp <= hi for lo, hi in _CJK_RANGES):
+            out.append(f" {c} ")
+        else:
+            out.append(c)
+    words = unicodedata.normalize("NFC", "".join(out)).split()
+    return " ".join(" ".join(w.lower() for w in words).split())
+
+
+class _TokenMatcher:
+    """Splits text around whole added tokens, leftmost match first, longest on ties."""
+
+    def __init__(self, tokens: list[_AddedToken]) -> None:
+        self._ids = {t.content: t.id for t in tokens}
+        ordered = sorted(self._ids, key=len, reverse=True)
+        self._pattern = regex.compile("|".join(map(regex.escape, ordered))) if ordered else None
+
+    def split(self, text: str) -> list[tuple[str, int | None]]:
+        if self._pattern is None:
+            return [(text, None)] if text else []
+        parts: list[tuple[str, int | None]] = []
+        start = 0
+        for m in self._pattern.finditer(text):
+            if m.start() > start:
+                parts.append((text[start : m.start()], None))
+            parts.append((m.group(), self._ids[m.group()]))
+            start = m.end()
+        if start < len(text):
+            parts.append((text[start:], None))
+        return parts
+
+
+def _read_json(path: Path):
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"tokenizer: cannot read {path}: {e}") from None
+
+
+def _token_definition(value) -> tuple[str, bool]:
+    """(text, normalized) of a special-token entry: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return str(value["content"]), bool(value.get("normalized", False))
+    return str(value), False
+
+
+def _from_vocab_files(path: Path, legacy: bool) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    vocab_file, merges_file = path / "vocab.json", path / "merges.txt"
+    if not vocab_file.is_file() or not merges_file.is_file():
+        raise UserError(f"tokenizer: {path} has neither tokenizer.json nor vocab.json + merges.txt")
+    vocab = _read_json(vocab_file)
+    text = merges_file.read_text(encoding="utf-8")
+    if legacy:
+        # transformers 4.x: drop the first line whatever it is, keep at most 48894 merges.
+        lines = text.strip().split("\n")[1 : _LEGACY_MAX_MERGES + 1]
+    else:
+        lines = [ln for ln in text.split("\n") if ln.strip() and not ln.startswith("#version")]
+    merges = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) != 2:
+            raise UserError(f"tokenizer: malformed merge {line!r} in {merges_file}")
+        merges.append((parts[0], parts[1]))
+    return vocab, merges
+
+
+def _from_tokenizer_json(
+    data: dict, path: Path
+) -> tuple[dict[str, int], list[tuple[str, str]], list[tuple[str, bool]]]:
+    model = data.get("model") or {}
+    if model.get("type") != "BPE":
+        raise UserError(f"tokenizer: {path}/tokenizer.json is not a BPE model")
+    merges = []
+    for merge in model.get("merges") or []:
+        parts = merge.split(" ") if isinstance(merge, str) else list(merge)
+        if len(parts) != 2:
+            raise UserError(f"tokenizer: malformed merge {merge!r} in {path}/tokenizer.json")
+        merges.append((parts[0], parts[1]))
+    vocab = dict(model.get("vocab") or {})
+    added = []
+    for token in data.get("added_tokens") or []:
+        vocab.setdefault(token["content"], token["id"])
+        added.append((token["content"], bool(token.get("normalized", False))))
+    return vocab, merges, added

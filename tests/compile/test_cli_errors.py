@@ -1,0 +1,100 @@
+"""Bad input to `sdiree compile`: one clear line, non-zero exit, no traceback, nothing written."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+def run_compile(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "sdiree.runtime.cli", "compile", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def assert_clean_failure(proc, must_say: str):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and must_say in lines[0], lines[0]
+
+
+@pytest.fixture
+def broken_model(tiny_model, tmp_path):
+    def make(remove: str):
+        copy = tmp_path / "model"
+        shutil.copytree(tiny_model, copy)
+        target = copy / remove
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+        return copy
+
+    return make
+
+
+def test_not_a_diffusers_folder(tmp_path):
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "out"
+    assert_clean_failure(
+        run_compile(tmp_path / "empty", "--target", "cpu", "--out", out), "model_index.json"
+    )
+    assert not out.exists()
+
+
+def test_missing_model_folder(tmp_path):
+    assert_clean_failure(run_compile(tmp_path / "nope", "--target", "cpu"), "does not exist")
+
+
+def test_missing_submodule(broken_model, tmp_path):
+    out = tmp_path / "out"
+    assert_clean_failure(
+        run_compile(broken_model("vae"), "--target", "cpu", "--out", out), "'vae/'"
+    )
+    assert not out.exists()
+
+
+def test_unknown_target(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    proc = run_compile(tiny_model, "--target", "metal", "--out", out)
+    assert_clean_failure(proc, "unknown target 'metal'")
+    assert "vulkan-spirv" in proc.stderr
+    assert not out.exists()
+
+
+def test_unknown_arch(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    proc = run_compile(tiny_model, "--target", "rocm", "--arch", "gfx000", "--out", out)
+    assert_clean_failure(proc, "unknown arch 'gfx000'")
+    assert "gfx942" in proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flag,value", [("--height", 100), ("--width", 36), ("--height", -8)])
+def test_size_not_multiple_of_8(tiny_model, tmp_path, flag, value):
+    out = tmp_path / "out"
+    assert_clean_failure(
+        run_compile(tiny_model, "--target", "cpu", flag, value, "--out", out), "multiple of 8"
+    )
+    assert not out.exists()
+
+
+def test_unwritable_out(tiny_model, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    assert_clean_failure(
+        run_compile(tiny_model, "--target", "cpu", "--out", blocker / "sub" / "out"), "cannot write"
+    )
+    assert blocker.read_text() == "not a directory"
+
+
+def test_unknown_dtype(tiny_model, tmp_path):
+    assert_clean_failure(
+        run_compile(tiny_model, "--target", "cpu", "--dtype", "int4", "--out", tmp_path / "o"),
+        "dtype",
+    )

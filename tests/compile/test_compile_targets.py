@@ -1,0 +1,108 @@
+"""Compile the tiny model for all four targets; cpu and vulkan (lavapipe) match torch."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from sdiree.compile.verify import TOLERANCE, check_parity
+from sdiree.runtime.fileutil import sha256_file
+from sdiree.runtime.manifest import check_files, load_manifest
+
+SUBMODULES = {"text_encoder", "unet", "vae_decoder", "vae_encoder"}
+
+
+def assert_manifest_complete(out, target, arch, dtype):
+    m = load_manifest(out)
+    check_files(m)  # every listed file exists and matches its sha256
+    d = m.data
+    assert d["schema_version"] == 1
+    assert d["target"] == {**d["target"], "name": target, "arch": arch}
+    assert d["dtype"] == dtype
+    assert d["iree_compiler_version"].startswith("3.13")
+    assert len(d["model"]["content_hash"]) == 64
+    assert set(m.submodules) == SUBMODULES
+    for name, sub in d["submodules"].items():
+        assert sub["vmfb"] in d["files"] and sub["parameters"] in d["files"]
+        assert sub["flags"], name
+        assert any(f.startswith("--iree-hal-target-device") for f in sub["flags"])
+        for fn in sub["functions"].values():
+            for t in fn["inputs"] + fn["outputs"]:
+                assert t["name"] and all(isinstance(s, int) for s in t["shape"]) and t["dtype"]
+    unet = m.submodules["unet"].functions
+    b = d["image"]["batch_size"]
+    assert unet["denoise_cfg"].inputs[0].shape[0] == 2 * b
+    assert unet["denoise"].inputs[0].shape[0] == b
+    assert m.submodules["text_encoder"].functions["encode"].outputs[1].name == "pooled_output"
+    assert d["vae_scaling"]["applied_by"] == "module"
+    assert "tokenizer/vocab.json" in d["files"] and "scheduler/scheduler_config.json" in d["files"]
+    # vae_decoder and vae_encoder share one archive; every archive is outside the artifact dir
+    assert (
+        d["submodules"]["vae_decoder"]["parameters"] == d["submodules"]["vae_encoder"]["parameters"]
+    )
+    assert all(s["parameters"].startswith("../params/") for s in d["submodules"].values())
+    return m
+
+
+@pytest.mark.parametrize(
+    "target,arch,dtype",
+    [
+        ("cpu", "host", "fp32"),
+        ("vulkan-spirv", "lavapipe", "fp32"),
+        ("vulkan-spirv", "lavapipe", "fp16"),
+    ],
+)
+def test_compiled_modules_match_torch(compiled, target, arch, dtype):
+    out = compiled.get(target, arch, dtype)
+    assert_manifest_complete(out, target, arch, dtype)
+    results = check_parity(out)
+    assert {r.submodule for r in results} == SUBMODULES
+    for r in results:
+        assert r.tolerance == TOLERANCE[dtype]
+        assert r.ok, r.line()
+    if dtype == "fp32":
+        assert max(r.rel for r in results) <= 1e-4
+
+
+@pytest.mark.parametrize("target,arch", [("rocm", "gfx942"), ("cuda", "sm_80")])
+def test_gpu_targets_compile_and_load(compiled, target, arch):
+    import iree.runtime as rt
+
+    out = compiled.get(target, arch, "fp16")
+    m = assert_manifest_complete(out, target, arch, "fp16")
+    instance = rt.VmInstance()
+    expected_format = {"rocm": b"rocm-hsaco-fb", "cuda": b"cuda-nvptx-fb"}[target]
+    for name, sub in m.submodules.items():
+        vmfb = m.path(sub.vmfb)
+        module = rt.VmModule.mmap(instance, str(vmfb))  # parses: a well-formed module
+        for fn in sub.functions:
+            assert module.lookup_function(fn) is not None, (name, fn)
+        assert expected_format in vmfb.read_bytes(), f"{name}.vmfb has no {target} executable"
+
+
+def test_parameters_shared_across_targets(compiled):
+    a = load_manifest(compiled.get("cpu", "host", "fp32"))
+    b = load_manifest(compiled.get("vulkan-spirv", "lavapipe", "fp32"))
+    for sub in ("unet", "text_encoder", "vae_decoder"):
+        pa, pb = a.path(a.submodules[sub].parameters), b.path(b.submodules[sub].parameters)
+        assert pa == pb, "the same model and dtype must share one parameter archive"
+    params = a.path(a.submodules["unet"].parameters)
+    assert a.data["files"][a.submodules["unet"].parameters] == sha256_file(params)
+
+
+def test_export_choice_differs_by_target(compiled):
+    cpu = json.loads((compiled.get("cpu", "host", "fp32") / "manifest.json").read_text())
+    vk = json.loads(
+        (compiled.get("vulkan-spirv", "lavapipe", "fp32") / "manifest.json").read_text()
+    )
+    assert cpu["target"]["export"]["attention"] == "sdpa"
+    assert vk["target"]["export"]["attention"] == "decomposed"
+    assert cpu["submodules"]["unet"]["mlir"] != vk["submodules"]["unet"]["mlir"]
+
+
+def test_wrong_arch_is_recorded_for_runtime(compiled):
+    m = load_manifest(compiled.get("vulkan-spirv", "lavapipe", "fp32"))
+    assert m.arch == "lavapipe" and m.data["target"]["arch_cpu_emulated"] is True
+    assert np.dtype(m.submodules["unet"].functions["denoise"].inputs[0].dtype) == np.float32

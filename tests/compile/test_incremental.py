@@ -1,0 +1,108 @@
+"""Recompiles: unchanged inputs are a no-op; a changed flag or tuning spec recompiles only what
+it touches; a compile killed midway leaves no manifest and the next run completes it."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from sdiree.compile.driver import CompileOptions, compile_model
+from sdiree.compile.report import Reporter
+from sdiree.runtime.manifest import check_files, load_manifest
+from sdiree.runtime.targets import default_specs_dir
+
+DATA = Path(__file__).parent / "data"
+
+
+def recompile(model, out, specs=None):
+    rep = Reporter(stream=io.StringIO())
+    compile_model(
+        CompileOptions(
+            model_dir=model, target="cpu", arch="host", dtype="fp32", out=out, specs_dir=specs
+        ),
+        rep,
+    )
+    ran = {(r.stage, r.item) for r in rep.records if r.status == "done"}
+    return ran, rep.stream.getvalue()
+
+
+def test_recompile_is_a_noop(compiled):
+    out = compiled.get("cpu", "host", "fp32")
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.vmfb")}
+    ran, log = recompile(compiled.model, out)
+    assert "up to date" in log
+    assert not {stage for stage, _ in ran} & {"export", "parameters", "compile", "load"}
+    assert before == {p.name: p.stat().st_mtime_ns for p in out.glob("*.vmfb")}
+
+
+def _specs_copy(tmp_path) -> Path:
+    specs = tmp_path / "specs"
+    shutil.copytree(default_specs_dir(), specs, ignore=shutil.ignore_patterns("__pycache__"))
+    return specs
+
+
+def test_changed_flag_or_spec_recompiles_only_what_it_touches(compiled, tmp_path):
+    base = compiled.get("cpu", "host", "fp32")
+    out = base.parent / "cpu-flag-change"
+    shutil.copytree(base, out)
+    specs = _specs_copy(tmp_path)
+    reg = json.loads((specs / "targets.json").read_text())
+    reg["targets"]["cpu"]["submodule_flags"]["vae_decoder"] = ["--iree-opt-strip-assertions=true"]
+    (specs / "targets.json").write_text(json.dumps(reg))
+
+    ran, _ = recompile(compiled.model, out, specs)
+    assert ran - {("hash", "model")} == {("compile", "vae_decoder")}
+    m = load_manifest(out)
+    check_files(m)
+    assert "--iree-opt-strip-assertions=true" in m.data["submodules"]["vae_decoder"]["flags"]
+    assert "--iree-opt-strip-assertions=true" not in m.data["submodules"]["unet"]["flags"]
+
+    # A tuning spec for the text encoder only, then a change to that spec.
+    shutil.copy(DATA / "noop_tuning_spec.mlir", specs / "tuning" / "test_te.mlir")
+    reg["targets"]["cpu"]["tuning_specs"]["text_encoder"] = "tuning/test_te.mlir"
+    (specs / "targets.json").write_text(json.dumps(reg))
+    ran, _ = recompile(compiled.model, out, specs)
+    assert ran - {("hash", "model")} == {("compile", "text_encoder")}
+    spec_hashes = load_manifest(out).data["submodules"]["text_encoder"]["tuning_specs"]
+    assert list(spec_hashes) == ["tuning/test_te.mlir"]
+
+    with open(specs / "tuning" / "test_te.mlir", "a") as f:
+        f.write("// changed\n")
+    ran, _ = recompile(compiled.model, out, specs)
+    assert ran - {("hash", "model")} == {("compile", "text_encoder")}
+    assert load_manifest(out).data["submodules"]["text_encoder"]["tuning_specs"] != spec_hashes
+
+
+def test_killed_compile_leaves_no_manifest_and_resumes(compiled):
+    compiled.get("cpu", "host", "fp32")  # shared MLIR and parameters exist; only compiles remain
+    out = compiled.out_dir("cpu", "host", "fp32").parent / "cpu-killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sdiree.runtime.cli", "compile", str(compiled.model),
+         "--target", "cpu", "--arch", "host", "--dtype", "fp32", "--out", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.time() + 600
+    while not (out / "text_encoder.vmfb").exists():
+        assert proc.poll() is None, "compile ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the compile and its iree-compile child
+    proc.wait()
+    assert not (out / "manifest.json").exists()
+    import iree.runtime as rt
+
+    for vmfb in out.glob("*.vmfb"):  # anything under a real name is whole (partials are temps)
+        rt.VmModule.mmap(rt.VmInstance(), str(vmfb))
+
+    ran, log = recompile(compiled.model, out)
+    assert ("compile", "text_encoder") not in ran  # finished work is kept
+    assert ("compile", "unet") in ran
+    assert not [p for p in out.iterdir() if ".tmp" in p.name], "stale temp files left behind"
+    check_files(load_manifest(out))
