@@ -273,10 +273,13 @@ class Builder:
         )
         vmfb = self.plan.out / f"{submodule}.vmfb"
         prev = state.get(submodule, {})
-        if prev.get("compile_key") == key and vmfb.is_file():
-            if sha256_file(vmfb) == prev.get("vmfb_sha256"):
-                self.r.reused("compile", submodule)
-                return prev
+        if (
+            prev.get("compile_key") == key
+            and vmfb.is_file()
+            and sha256_file(vmfb) == prev.get("vmfb_sha256")
+        ):
+            self.r.reused("compile", submodule)
+            return prev
         with self.r.stage("compile", submodule):
             compile_mlir(mlir, vmfb, flags, self.plan.out / f"{submodule}.compile.log")
         entry = {

@@ -8,6 +8,7 @@ a sibling directory, hence `../params/...`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,17 +141,14 @@ def check_files(manifest: Manifest, cache_path: Path | None = None) -> None:
             raise UserError(f"{p} is listed in the manifest but missing; recompile the model")
         st = p.stat()
         stamp = [st.st_size, st.st_mtime_ns, digest]
-        if cache.get(str(p)) != stamp:
-            if sha256_file(p) != digest:
-                raise UserError(
-                    f"{p} does not match its sha256 in the manifest (modified or corrupt); "
-                    "recompile the model"
-                )
+        if cache.get(str(p)) != stamp and sha256_file(p) != digest:
+            raise UserError(
+                f"{p} does not match its sha256 in the manifest (modified or corrupt); "
+                "recompile the model"
+            )
         new_cache[str(p)] = stamp
     if cache_path:
         from .fileutil import atomic_write_json
 
-        try:
+        with contextlib.suppress(OSError):  # a read-only artifact dir just means no cache
             atomic_write_json(cache_path, new_cache)
-        except OSError:
-            pass  # a read-only artifact dir just means no cache
