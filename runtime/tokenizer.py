@@ -255,7 +255,7 @@ class ClipTokenizer:
                 ids.append(token)
             elif self.legacy:
                 for word in _LEGACY_PATTERN.findall(_legacy_normalize(segment)):
-                    if word in _LEGACY_WHOLE:
+                    if word in _LEGACY_WHOLE:  # pre-seeded in transformers' BPE cache
                         ids.append(self._vocab.get(word, self.unk_id))
                     else:
                         ids.extend(self._bpe(word))
@@ -418,8 +418,8 @@ def _from_tokenizer_json(
     data: dict, path: Path
 ) -> tuple[dict[str, int], list[tuple[str, str]], list[tuple[str, bool]]]:
     model = data.get("model") or {}
-    if model.get("type") != "BPE":
-        raise UserError(f"tokenizer: {path}/tokenizer.json is not a BPE model")
+    if model.get("type") != "BPE" or model.get("end_of_word_suffix", _EOW) != _EOW:
+        raise UserError(f"tokenizer: {path}/tokenizer.json is not a CLIP BPE model")
     merges = []
     for merge in model.get("merges") or []:
         parts = merge.split(" ") if isinstance(merge, str) else list(merge)
