@@ -71,6 +71,64 @@ def compile_cmd(
         fail(str(e))
 
 
+@app.command("devices")
+def devices_cmd() -> None:
+    """List IREE drivers and devices (Vulkan devices with their type)."""
+    from .device import CPU_DRIVERS, available_drivers, list_devices
+
+    for driver in available_drivers():
+        if driver in CPU_DRIVERS:
+            typer.echo(f"{driver:<11} host CPU")
+            continue
+        found = list_devices(driver)
+        if not found:
+            typer.echo(f"{driver:<11} (no device)")
+        for d in found:
+            kind = "CPU implementation" if d.is_cpu_emulation else d.kind.upper()
+            typer.echo(f"{d.label:<11} {d.name}  [{kind}]")
+
+
+@app.command("run")
+def run_cmd(
+    artifact_dir: Path = typer.Argument(..., help="artifact directory (holds manifest.json)"),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="what to draw"),
+    negative_prompt: str = typer.Option("", "--negative-prompt", "-n", help="what to avoid"),
+    steps: int = typer.Option(None, "--steps", help="denoising steps (default: per scheduler)"),
+    guidance_scale: float = typer.Option(7.5, "--guidance-scale", "-g", help="CFG scale"),
+    scheduler: str = typer.Option(None, "--scheduler", help="default: the model's own"),
+    seed: int = typer.Option(None, "--seed", help="default: random, printed and stored"),
+    num_images: int = typer.Option(1, "--num-images", help="images to make"),
+    width: int = typer.Option(None, "--width", help="must equal the compiled width"),
+    height: int = typer.Option(None, "--height", help="must equal the compiled height"),
+    device: str = typer.Option(None, "--device", "-d", help="local-task, vulkan, vulkan:N, name"),
+    output: Path = typer.Option(Path("sdiree.png"), "--output", "-o", help="PNG path"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace existing files"),
+    force_device: bool = typer.Option(False, "--force-device", help="skip the arch check"),
+) -> None:
+    """Make an image from a prompt with a compiled artifact (torch-free)."""
+    from .generate import generate_to_files
+
+    try:
+        generate_to_files(
+            artifact_dir=artifact_dir,
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            steps=steps,
+            guidance_scale=guidance_scale,
+            scheduler=scheduler,
+            seed=seed,
+            num_images=num_images,
+            width=width,
+            height=height,
+            device=device,
+            output=output,
+            overwrite=overwrite,
+            force_device=force_device,
+        )
+    except UserError as e:
+        fail(str(e))
+
+
 def main() -> None:
     try:
         app()

@@ -1,0 +1,110 @@
+"""End-to-end parity: `sdiree run`'s pipeline against diffusers' StableDiffusionPipeline.
+
+Same model folder, seed (CPU generator), scheduler, steps, guidance and prompts; the 8-bit
+images are compared by PSNR. Used by the tests and by hand:
+
+    python tools/parity.py ARTIFACT_DIR MODEL_DIR --scheduler euler --steps 20 --seed 42
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+# diffusers class and config overrides for each sdiree scheduler name.
+DIFFUSERS_SCHEDULERS = {
+    "euler": ("EulerDiscreteScheduler", {}),
+    "euler-a": ("EulerAncestralDiscreteScheduler", {}),
+    "ddim": ("DDIMScheduler", {}),
+    "pndm": ("PNDMScheduler", {}),
+    "lms": ("LMSDiscreteScheduler", {}),
+    "lcm": ("LCMScheduler", {}),
+    "dpmpp-2m": (
+        "DPMSolverMultistepScheduler",
+        {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": False},
+    ),
+    "dpmpp-2m-karras": (
+        "DPMSolverMultistepScheduler",
+        {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": True},
+    ),
+}
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float("inf") if mse == 0 else float(10 * np.log10(255.0**2 / mse))
+
+
+def diffusers_images(model_dir, scheduler, steps, guidance, seed, prompt, negative, n, size):
+    """uint8 NHWC images from diffusers on the CPU, fp32."""
+    import diffusers
+    import torch
+
+    pipe = diffusers.StableDiffusionPipeline.from_pretrained(
+        model_dir, safety_checker=None, requires_safety_checker=False, local_files_only=True
+    )
+    pipe.set_progress_bar_config(disable=True)
+    cls_name, overrides = DIFFUSERS_SCHEDULERS[scheduler]
+    pipe.scheduler = getattr(diffusers, cls_name).from_config(pipe.scheduler.config, **overrides)
+    out = pipe(
+        prompt,
+        negative_prompt=negative or None,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        generator=torch.Generator("cpu").manual_seed(seed),
+        num_images_per_prompt=n,
+        height=size[0],
+        width=size[1],
+        output_type="np",
+    ).images
+    return (out * 255).round().astype(np.uint8)
+
+
+def sdiree_images(artifact_dir, scheduler, steps, guidance, seed, prompt, negative, n, device=None):
+    from sdiree.runtime.device_select import choose_device
+    from sdiree.runtime.image_output import to_uint8
+    from sdiree.runtime.manifest import load_manifest
+    from sdiree.runtime.pipeline import GenerationRequest, Text2Image, resolve_request
+    from sdiree.runtime.session import Session
+
+    manifest = load_manifest(artifact_dir)
+    info, _ = choose_device(manifest, device)
+    req = resolve_request(
+        manifest,
+        GenerationRequest(prompt, negative, steps, guidance, scheduler, seed, n),
+    )
+    session = Session(manifest, info, Text2Image.SUBMODULES)
+    result = Text2Image(manifest, session).generate(req, progress=None)
+    return to_uint8(result.images), manifest
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("artifact_dir", type=Path)
+    ap.add_argument("model_dir", type=Path)
+    ap.add_argument("--scheduler", default="euler")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--guidance-scale", type=float, default=7.5)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--prompt", default="a lighthouse at dusk")
+    ap.add_argument("--negative-prompt", default="")
+    ap.add_argument("--num-images", type=int, default=1)
+    ap.add_argument("--device", default=None)
+    a = ap.parse_args(argv)
+    ours, manifest = sdiree_images(
+        a.artifact_dir, a.scheduler, a.steps, a.guidance_scale, a.seed, a.prompt,
+        a.negative_prompt, a.num_images, a.device,
+    )  # fmt: skip
+    size = (manifest.image["height"], manifest.image["width"])
+    ref = diffusers_images(
+        a.model_dir, a.scheduler, a.steps, a.guidance_scale, a.seed, a.prompt,
+        a.negative_prompt, a.num_images, size,
+    )  # fmt: skip
+    print(f"PSNR {psnr(ours, ref):.2f} dB ({a.scheduler}, {a.steps} steps, seed {a.seed})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
