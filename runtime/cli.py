@@ -129,15 +129,71 @@ def run_cmd(
         fail(str(e))
 
 
+@app.command("bench")
+def bench_cmd(
+    model_dir: Path = typer.Argument(..., help="diffusers model folder (holds model_index.json)"),
+    target: str = typer.Option(..., "--target", "-t", help="cpu, vulkan-spirv, rocm or cuda"),
+    arch: str = typer.Option(None, "--arch", help="chip preset of the target (see specs/)"),
+    dtype: str = typer.Option(None, "--dtype", help="fp32 or fp16 (default: per target)"),
+    height: int = typer.Option(None, "--height", help="image height (default: the model's)"),
+    width: int = typer.Option(None, "--width", help="image width (default: the model's)"),
+    steps: int = typer.Option(20, "--steps", help="denoising steps of the whole-image figure"),
+    runs: int = typer.Option(5, "--runs", help="timed runs per figure"),
+    warmup: int = typer.Option(2, "--warmup", help="untimed warm-up runs per figure"),
+    json_path: Path = typer.Option(None, "--json", help="report (default: ARTIFACT/bench.json)"),
+    torch_compile: bool = typer.Option(False, "--torch-compile", help="torch.compile the UNet"),
+    out: Path = typer.Option(None, "--out", "-o", help="artifact directory (compiled or reused)"),
+    device: str = typer.Option(None, "--device", "-d", help="sdiree device (as for `run`)"),
+    prompt: str = typer.Option(None, "--prompt", "-p", help="prompt of the whole-image figure"),
+    seed: int = typer.Option(42, "--seed", help="seed of the inputs and of the image"),
+    specs: Path = typer.Option(None, "--specs", help="another specs directory (tuning work)"),
+) -> None:
+    """Time sdiree against diffusers/torch on the same work: one row per figure (compile extra)."""
+    try:
+        from sdiree.compile.bench import DEFAULT_PROMPT, BenchOptions, run_bench
+    except ImportError as e:
+        fail(f"{COMPILE_EXTRA_HINT} ({e})")
+    try:
+        run_bench(
+            BenchOptions(
+                model_dir=model_dir,
+                target=target,
+                arch=arch,
+                dtype=dtype,
+                height=height,
+                width=width,
+                steps=steps,
+                runs=runs,
+                warmup=warmup,
+                json_path=json_path,
+                torch_compile=torch_compile,
+                out=out,
+                device=device,
+                prompt=prompt or DEFAULT_PROMPT,
+                seed=seed,
+                specs_dir=specs,
+            )
+        )
+    except UserError as e:
+        fail(str(e))
+
+
 def main() -> None:
     try:
-        app()
+        code = app(standalone_mode=False)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except Exception as e:
+        # click/typer usage errors (missing or malformed options): one line, no panel.
+        if hasattr(e, "format_message") and hasattr(e, "exit_code"):
+            print(f"error: {e.format_message()} (see `sdiree --help`)", file=sys.stderr)
+            sys.exit(e.exit_code)
+        raise
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

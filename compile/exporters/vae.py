@@ -35,60 +35,50 @@ class VaeEncodeEntry(torch.nn.Module):
         return self.vae.encode(image, return_dict=False)[0].mean * self.scaling_factor
 
 
-def _prepare(vae, dtype, attention):
+def _plan(
+    vae, *, submodule, entry_cls, fname, in_name, out_name, batch, image_hw, dtype, attention
+):
     set_unet_attention(vae, attention)
-    return vae.to(dtype).eval()
+    vae = vae.to(dtype).eval()
+    dt = {torch.float32: "float32", torch.float16: "float16"}[dtype]
+    h, w = image_hw
+    f = 2 ** (len(vae.config.block_out_channels) - 1)
+    latent = (batch, vae.config.latent_channels, h // f, w // f)
+    image = (batch, vae.config.out_channels if fname == "decode" else vae.config.in_channels, h, w)
+    shapes = {"latents": latent, "latent_mean": latent, "image": image}
+
+    def entry(root, x):
+        return root(x)
+
+    entry.__name__ = fname
+    return ExportPlan(
+        submodule=submodule,
+        scope=SCOPE,
+        root=entry_cls(vae, vae.config.scaling_factor),
+        params_module=vae,
+        functions=[
+            FunctionSpec(
+                name=fname,
+                inputs=(TensorSpec(in_name, shapes[in_name], dt),),
+                outputs=(TensorSpec(out_name, shapes[out_name], dt),),
+                fn=entry,
+            )
+        ],
+        options={"attention": attention},
+    )
 
 
 def plan_vae_decoder(vae, *, batch, image_hw, dtype, attention) -> ExportPlan:
-    vae = _prepare(vae, dtype, attention)
-    dt = {torch.float32: "float32", torch.float16: "float16"}[dtype]
-    h, w = image_hw
-    lc = vae.config.latent_channels
-    f = 2 ** (len(vae.config.block_out_channels) - 1)
-
-    def decode(root, latents):
-        return root(latents)
-
-    return ExportPlan(
-        submodule="vae_decoder",
-        scope=SCOPE,
-        root=VaeDecodeEntry(vae, vae.config.scaling_factor),
-        params_module=vae,
-        functions=[
-            FunctionSpec(
-                name="decode",
-                inputs=(TensorSpec("latents", (batch, lc, h // f, w // f), dt),),
-                outputs=(TensorSpec("image", (batch, vae.config.out_channels, h, w), dt),),
-                fn=decode,
-            )
-        ],
-        options={"attention": attention},
-    )
+    return _plan(
+        vae, submodule="vae_decoder", entry_cls=VaeDecodeEntry, fname="decode",
+        in_name="latents", out_name="image",
+        batch=batch, image_hw=image_hw, dtype=dtype, attention=attention,
+    )  # fmt: skip
 
 
 def plan_vae_encoder(vae, *, batch, image_hw, dtype, attention) -> ExportPlan:
-    vae = _prepare(vae, dtype, attention)
-    dt = {torch.float32: "float32", torch.float16: "float16"}[dtype]
-    h, w = image_hw
-    lc = vae.config.latent_channels
-    f = 2 ** (len(vae.config.block_out_channels) - 1)
-
-    def encode(root, image):
-        return root(image)
-
-    return ExportPlan(
-        submodule="vae_encoder",
-        scope=SCOPE,
-        root=VaeEncodeEntry(vae, vae.config.scaling_factor),
-        params_module=vae,
-        functions=[
-            FunctionSpec(
-                name="encode",
-                inputs=(TensorSpec("image", (batch, vae.config.in_channels, h, w), dt),),
-                outputs=(TensorSpec("latent_mean", (batch, lc, h // f, w // f), dt),),
-                fn=encode,
-            )
-        ],
-        options={"attention": attention},
-    )
+    return _plan(
+        vae, submodule="vae_encoder", entry_cls=VaeEncodeEntry, fname="encode",
+        in_name="image", out_name="latent_mean",
+        batch=batch, image_hw=image_hw, dtype=dtype, attention=attention,
+    )  # fmt: skip

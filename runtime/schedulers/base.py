@@ -1,4 +1,5 @@
-"""Pieces shared by the numpy schedulers: config resolution, noise schedules, timestep spacing.
+"""Pieces shared by the numpy schedulers: config resolution, noise schedules, timestep spacing,
+x0 prediction, and the base classes (``Scheduler``, ``SigmaScheduler``, ``AlphaScheduler``).
 
 Everything here is numpy + stdlib (the runtime never imports torch). The numerics follow what
 diffusers computes on CPU closely enough that schedules agree to float32 rounding: betas are
@@ -19,6 +20,16 @@ class NoiseGenerator(Protocol):
     """Source of standard normal noise, e.g. a numpy port of torch's CPU generator."""
 
     def randn(self, shape: tuple[int, ...]) -> np.ndarray: ...
+
+
+# Constructor defaults every diffusers scheduler here shares (the training noise schedule).
+BETA_DEFAULTS: dict[str, Any] = {
+    "num_train_timesteps": 1000,
+    "beta_start": 0.0001,
+    "beta_end": 0.02,
+    "beta_schedule": "linear",
+    "trained_betas": None,
+}
 
 
 def resolve_config(
@@ -135,6 +146,22 @@ def rescale_zero_terminal_snr(betas: np.ndarray) -> np.ndarray:
     return (np.float32(1.0) - alphas).astype(np.float32)
 
 
+def make_alphas_cumprod(config: Mapping[str, Any], *, finite_sigmas: bool = False) -> np.ndarray:
+    """float32 ``alphas_cumprod`` of a config's betas, rescaled when ``rescale_betas_zero_snr`` is on.
+
+    With ``finite_sigmas`` (samplers working in sigma space) the zero-SNR last entry, which would
+    give an infinite sigma, is pinned to a tiny alpha instead, as diffusers does.
+    """
+    betas = make_betas(config)
+    zero_snr = bool(config.get("rescale_betas_zero_snr"))
+    if zero_snr:
+        betas = rescale_zero_terminal_snr(betas)
+    alphas_cumprod = cumprod_alphas(betas)
+    if zero_snr and finite_sigmas:
+        alphas_cumprod[-1] = 2.0**-24
+    return alphas_cumprod
+
+
 def train_sigmas(alphas_cumprod: np.ndarray) -> np.ndarray:
     """Karras-style sigma per training timestep (float32, ascending with t)."""
     return np.sqrt((np.float32(1.0) - alphas_cumprod) / alphas_cumprod).astype(np.float32)
@@ -188,6 +215,12 @@ def sigma_to_t(sigmas: np.ndarray, log_sigmas: np.ndarray) -> np.ndarray:
     return (1 - w) * low + w * high
 
 
+def final_sigma(config: Mapping[str, Any], train_sigmas: np.ndarray) -> float:
+    """Sigma appended after the last step: 0, or the smallest training sigma for
+    ``final_sigmas_type="sigma_min"`` (a config without that key gets 0)."""
+    return float(train_sigmas[0]) if config.get("final_sigmas_type") == "sigma_min" else 0.0
+
+
 # ---------------------------------------------------------------------------------------------
 # Step helpers
 
@@ -198,6 +231,58 @@ def threshold_sample(sample: np.ndarray, ratio: float, max_value: float) -> np.n
     s = np.quantile(np.abs(flat), ratio, axis=1).astype(flat.dtype)
     s = np.clip(s, 1, max_value)[:, None]
     return (np.clip(flat, -s, s) / s).reshape(sample.shape).astype(sample.dtype)
+
+
+def clip_x0(config: Mapping[str, Any], x0: np.ndarray) -> np.ndarray:
+    """Dynamic thresholding if ``thresholding`` is on, else clipping if ``clip_sample`` is on."""
+    if config.get("thresholding"):
+        return threshold_sample(
+            x0, config["dynamic_thresholding_ratio"], config["sample_max_value"]
+        )
+    if config.get("clip_sample"):
+        limit = config["clip_sample_range"]
+        return np.clip(x0, -limit, limit)
+    return x0
+
+
+def sigma_x0(
+    prediction_type: str, model_output: np.ndarray, sample: np.ndarray, sigma: float
+) -> np.ndarray:
+    """x0 from the model output for a sample x = x0 + sigma * eps (k-diffusion parameterisation).
+
+    The model saw x / sqrt(sigma^2 + 1); "sample"/"original_sample" outputs are x0 already.
+    """
+    if prediction_type == "epsilon":
+        return sample - sigma * model_output
+    if prediction_type == "v_prediction":
+        return model_output * (-sigma / math.sqrt(sigma * sigma + 1.0)) + sample / (
+            sigma * sigma + 1.0
+        )
+    return model_output
+
+
+def alpha_x0(
+    prediction_type: str, model_output: np.ndarray, sample: np.ndarray, alpha_prod: float
+) -> np.ndarray:
+    """x0 from the model output for x_t = sqrt(a) x0 + sqrt(1 - a) eps, a = alphas_cumprod[t]."""
+    if prediction_type == "epsilon":
+        return (sample - math.sqrt(1.0 - alpha_prod) * model_output) / math.sqrt(alpha_prod)
+    if prediction_type == "sample":
+        return model_output
+    # v_prediction
+    return math.sqrt(alpha_prod) * sample - math.sqrt(1.0 - alpha_prod) * model_output
+
+
+def alpha_eps(
+    prediction_type: str, model_output: np.ndarray, sample: np.ndarray, alpha_prod: float
+) -> np.ndarray:
+    """eps from the model output for x_t = sqrt(a) x0 + sqrt(1 - a) eps, a = alphas_cumprod[t]."""
+    if prediction_type == "epsilon":
+        return model_output
+    if prediction_type == "sample":
+        return (sample - math.sqrt(alpha_prod) * model_output) / math.sqrt(1.0 - alpha_prod)
+    # v_prediction
+    return math.sqrt(alpha_prod) * model_output + math.sqrt(1.0 - alpha_prod) * sample
 
 
 def draw_noise(generator: NoiseGenerator | None, shape: tuple[int, ...]) -> np.ndarray:
@@ -222,8 +307,9 @@ def index_for_timestep(schedule: np.ndarray, timestep: Any) -> int | None:
 class Scheduler:
     """Common surface of every numpy scheduler.
 
-    Subclasses set ``DEFAULTS`` (the diffusers class's constructor defaults) and ``CLASS_NAME``.
-    Loop, as in diffusers' StableDiffusionPipeline::
+    Subclasses set ``CLASS_NAME``, ``DEFAULTS`` (the diffusers class's constructor defaults), and
+    what the port accepts: ``UNSUPPORTED_OPTIONS`` (switches rejected when on) and ``CHOICES``
+    (allowed values per key, checked in order). Loop, as in diffusers' StableDiffusionPipeline::
 
         latents *= s.init_noise_sigma
         for t in s.timesteps:
@@ -233,13 +319,23 @@ class Scheduler:
 
     CLASS_NAME: ClassVar[str] = ""
     DEFAULTS: ClassVar[dict[str, Any]] = {}
+    UNSUPPORTED_OPTIONS: ClassVar[tuple[str, ...]] = ()
+    CHOICES: ClassVar[dict[str, tuple]] = {}
     order: int = 1
     init_noise_sigma: float = 1.0
 
     def __init__(self, config: Mapping[str, Any] | None = None, **overrides: Any) -> None:
         self.config = resolve_config(self.DEFAULTS, config, overrides)
+        reject_options(self.CLASS_NAME, self.config, *self.UNSUPPORTED_OPTIONS)
+        for key, allowed in self.CHOICES.items():
+            check_choice(self.CLASS_NAME, self.config, key, allowed)
         self.num_inference_steps: int | None = None
         self.timesteps = np.empty(0, dtype=np.int64)
+        self._reset_history()
+
+    def _reset_history(self) -> None:
+        """Forget per-run state (set_timesteps starts a new run); subclasses extend this."""
+        self._step_index: int | None = None
 
     def set_timesteps(self, num_inference_steps: int) -> None:
         raise NotImplementedError
@@ -260,5 +356,100 @@ class Scheduler:
         if self.num_inference_steps is None:
             raise RuntimeError(f"{self.CLASS_NAME}: call set_timesteps() before step()")
 
+    def _spaced_timesteps(self, num_inference_steps: int) -> np.ndarray:
+        """``spaced_timesteps`` for this config's spacing, train steps and offset (float64)."""
+        cfg = self.config
+        return spaced_timesteps(
+            cfg["timestep_spacing"],
+            int(cfg["num_train_timesteps"]),
+            num_inference_steps,
+            int(cfg["steps_offset"]),
+        )
+
+    def _init_step_index(self, timestep: Any) -> int:
+        """Current step: looked up from ``timestep`` on the first call of a run, then the index
+        that step() advanced to (so repeated timesteps are walked in order)."""
+        if self._step_index is None:
+            index = index_for_timestep(self.timesteps, timestep)
+            self._step_index = self._missing_timestep_index(timestep) if index is None else index
+        return self._step_index
+
+    def _missing_timestep_index(self, timestep: Any) -> int:
+        raise ValueError(f"timestep {timestep!r} is not in the schedule")
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_inference_steps={self.num_inference_steps})"
+
+
+class SigmaScheduler(Scheduler):
+    """Base of the k-diffusion-style samplers (Euler, Euler a, LMS), which work on
+    x = x0 + sigma * eps: latents start at init_noise_sigma, the model sees x / sqrt(sigma^2 + 1),
+    and ``sigmas`` holds one sigma per timestep plus a final one (see ``final_sigma``).
+
+    The schedule is the spaced timesteps with their interpolated training sigmas, or, when the
+    config has ``use_karras_sigmas`` on, Karras sigmas between ``sigma_min``/``sigma_max`` (default:
+    the ends of the interpolated schedule) and their fractional timesteps.
+    """
+
+    def __init__(self, config: Mapping[str, Any] | None = None, **overrides: Any) -> None:
+        super().__init__(config, **overrides)
+        self.alphas_cumprod = make_alphas_cumprod(self.config, finite_sigmas=True)
+        self._train_sigmas = train_sigmas(self.alphas_cumprod)
+        self.sigmas = np.concatenate([self._train_sigmas[::-1], [0.0]]).astype(np.float32)
+
+    @property
+    def init_noise_sigma(self) -> float:
+        max_sigma = np.float32(self.sigmas.max())
+        if self.config["timestep_spacing"] in ("linspace", "trailing"):
+            return float(max_sigma)
+        return float(np.sqrt(max_sigma * max_sigma + np.float32(1.0)))
+
+    def set_timesteps(self, num_inference_steps: int) -> None:
+        n = check_num_inference_steps(num_inference_steps)
+        cfg = self.config
+        timesteps = self._spaced_timesteps(n).astype(np.float32)
+        sigmas = interp_sigmas(timesteps, self._train_sigmas)
+        if cfg.get("use_karras_sigmas"):
+            sigma_min, sigma_max = cfg.get("sigma_min"), cfg.get("sigma_max")
+            lo = sigma_min if sigma_min is not None else float(sigmas[-1])
+            hi = sigma_max if sigma_max is not None else float(sigmas[0])
+            sigmas = karras_sigmas(lo, hi, n)
+            timesteps = sigma_to_t(sigmas, np.log(self._train_sigmas)).astype(np.float32)
+        last = final_sigma(cfg, self._train_sigmas)
+        self.sigmas = np.concatenate([sigmas, [last]]).astype(np.float32)
+        self.timesteps = timesteps
+        self.num_inference_steps = n
+        self._reset_history()
+
+    def scale_model_input(self, sample: np.ndarray, timestep: Any) -> np.ndarray:
+        sigma = float(self.sigmas[self._init_step_index(timestep)])
+        return (sample / math.sqrt(sigma * sigma + 1.0)).astype(np.float32)
+
+    def _begin_step(self, timestep: Any) -> tuple[int, float, float]:
+        """Step index for ``timestep``, its sigma and the next one (step() then sets the index
+        to i + 1)."""
+        self._require_timesteps()
+        i = self._init_step_index(timestep)
+        return i, float(self.sigmas[i]), float(self.sigmas[i + 1])
+
+    def _predict_x0(self, model_output: np.ndarray, sample: np.ndarray, sigma: float) -> np.ndarray:
+        return sigma_x0(self.config["prediction_type"], model_output, sample, sigma)
+
+
+class AlphaScheduler(Scheduler):
+    """Base of the DDPM-parameterised samplers (DDIM, PNDM, LCM), which work on
+    x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps with a_t = alphas_cumprod[t] at integer timesteps.
+
+    ``final_alpha_cumprod`` stands in for a_t "before" the first training step (t < 0), used by
+    the very last update: 1 with ``set_alpha_to_one``, else alphas_cumprod[0].
+    """
+
+    def __init__(self, config: Mapping[str, Any] | None = None, **overrides: Any) -> None:
+        super().__init__(config, **overrides)
+        self.alphas_cumprod = make_alphas_cumprod(self.config)
+        self.final_alpha_cumprod = (
+            1.0 if self.config["set_alpha_to_one"] else float(self.alphas_cumprod[0])
+        )
+
+    def _alpha_prod(self, t: int) -> float:
+        return float(self.alphas_cumprod[t]) if t >= 0 else self.final_alpha_cumprod

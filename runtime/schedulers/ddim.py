@@ -14,28 +14,22 @@ from typing import Any
 import numpy as np
 
 from .base import (
+    BETA_DEFAULTS,
     TIMESTEP_SPACINGS,
+    AlphaScheduler,
     NoiseGenerator,
-    Scheduler,
-    check_choice,
+    alpha_eps,
+    alpha_x0,
     check_num_inference_steps,
-    cumprod_alphas,
+    clip_x0,
     draw_noise,
-    make_betas,
-    rescale_zero_terminal_snr,
-    spaced_timesteps,
-    threshold_sample,
 )
 
 
-class DDIMScheduler(Scheduler):
+class DDIMScheduler(AlphaScheduler):
     CLASS_NAME = "DDIMScheduler"
     DEFAULTS = {
-        "num_train_timesteps": 1000,
-        "beta_start": 0.0001,
-        "beta_end": 0.02,
-        "beta_schedule": "linear",
-        "trained_betas": None,
+        **BETA_DEFAULTS,
         "clip_sample": True,
         "set_alpha_to_one": True,
         "steps_offset": 0,
@@ -47,18 +41,10 @@ class DDIMScheduler(Scheduler):
         "timestep_spacing": "leading",
         "rescale_betas_zero_snr": False,
     }
-
-    def __init__(self, config: dict[str, Any] | None = None, **overrides: Any) -> None:
-        super().__init__(config, **overrides)
-        cfg = self.config
-        check_choice(self.CLASS_NAME, cfg, "prediction_type", ("epsilon", "sample", "v_prediction"))
-        check_choice(self.CLASS_NAME, cfg, "timestep_spacing", TIMESTEP_SPACINGS)
-        betas = make_betas(cfg)
-        if cfg["rescale_betas_zero_snr"]:
-            betas = rescale_zero_terminal_snr(betas)
-        self.alphas_cumprod = cumprod_alphas(betas)
-        # alpha_cumprod "before" the first training step, used for the very last update.
-        self.final_alpha_cumprod = 1.0 if cfg["set_alpha_to_one"] else float(self.alphas_cumprod[0])
+    CHOICES = {
+        "prediction_type": ("epsilon", "sample", "v_prediction"),
+        "timestep_spacing": TIMESTEP_SPACINGS,
+    }
 
     def set_timesteps(self, num_inference_steps: int) -> None:
         n = check_num_inference_steps(num_inference_steps)
@@ -67,14 +53,8 @@ class DDIMScheduler(Scheduler):
             raise ValueError(
                 f"num_inference_steps ({n}) cannot exceed num_train_timesteps ({t_train})"
             )
-        spaced = spaced_timesteps(
-            self.config["timestep_spacing"], t_train, n, int(self.config["steps_offset"])
-        )
-        self.timesteps = np.round(spaced).astype(np.int64)
+        self.timesteps = np.round(self._spaced_timesteps(n)).astype(np.int64)
         self.num_inference_steps = n
-
-    def _alpha_prod(self, t: int) -> float:
-        return float(self.alphas_cumprod[t]) if t >= 0 else self.final_alpha_cumprod
 
     def step(
         self,
@@ -94,22 +74,10 @@ class DDIMScheduler(Scheduler):
         alpha_prev = self._alpha_prod(prev_t)
         beta_t = 1.0 - alpha_t
 
-        prediction = cfg["prediction_type"]
-        if prediction == "epsilon":
-            x0 = (sample - math.sqrt(beta_t) * model_output) / math.sqrt(alpha_t)
-            eps = model_output
-        elif prediction == "sample":
-            x0 = model_output
-            eps = (sample - math.sqrt(alpha_t) * x0) / math.sqrt(beta_t)
-        else:  # v_prediction
-            x0 = math.sqrt(alpha_t) * sample - math.sqrt(beta_t) * model_output
-            eps = math.sqrt(alpha_t) * model_output + math.sqrt(beta_t) * sample
-
-        if cfg["thresholding"]:
-            x0 = threshold_sample(x0, cfg["dynamic_thresholding_ratio"], cfg["sample_max_value"])
-        elif cfg["clip_sample"]:
-            limit = cfg["clip_sample_range"]
-            x0 = np.clip(x0, -limit, limit)
+        # eps is derived from the unclipped x0, as in diffusers.
+        x0 = alpha_x0(cfg["prediction_type"], model_output, sample, alpha_t)
+        eps = alpha_eps(cfg["prediction_type"], model_output, sample, alpha_t)
+        x0 = clip_x0(cfg, x0)
 
         std = 0.0
         if eta > 0:

@@ -22,20 +22,17 @@ from typing import Any
 import numpy as np
 
 from .base import (
+    BETA_DEFAULTS,
     TIMESTEP_SPACINGS,
     NoiseGenerator,
     Scheduler,
-    check_choice,
     check_num_inference_steps,
-    cumprod_alphas,
-    index_for_timestep,
+    clip_x0,
+    final_sigma,
     interp_sigmas,
     karras_sigmas,
-    make_betas,
-    reject_options,
-    rescale_zero_terminal_snr,
+    make_alphas_cumprod,
     sigma_to_t,
-    threshold_sample,
     train_sigmas,
 )
 
@@ -46,11 +43,7 @@ FIXED_OPTIONS = {"algorithm_type": "dpmsolver++", "solver_order": 2, "solver_typ
 class DPMSolverMultistepScheduler(Scheduler):
     CLASS_NAME = "DPMSolverMultistepScheduler"
     DEFAULTS = {
-        "num_train_timesteps": 1000,
-        "beta_start": 0.0001,
-        "beta_end": 0.02,
-        "beta_schedule": "linear",
-        "trained_betas": None,
+        **BETA_DEFAULTS,
         "solver_order": 2,
         "prediction_type": "epsilon",
         "thresholding": False,
@@ -75,42 +68,33 @@ class DPMSolverMultistepScheduler(Scheduler):
         "use_dynamic_shifting": False,
         "time_shift_type": "exponential",
     }
+    UNSUPPORTED_OPTIONS = (
+        "use_exponential_sigmas",
+        "use_beta_sigmas",
+        "use_lu_lambdas",
+        "use_flow_sigmas",
+        "use_dynamic_shifting",
+        "variance_type",
+    )
+    CHOICES = {
+        **{key: (value,) for key, value in FIXED_OPTIONS.items()},
+        "prediction_type": ("epsilon", "sample", "v_prediction"),
+        "final_sigmas_type": ("zero", "sigma_min"),
+        "timestep_spacing": TIMESTEP_SPACINGS,
+    }
 
     def __init__(self, config: dict[str, Any] | None = None, **overrides: Any) -> None:
         super().__init__(config, **{**FIXED_OPTIONS, **overrides})
-        cfg = self.config
-        reject_options(
-            self.CLASS_NAME,
-            cfg,
-            "use_exponential_sigmas",
-            "use_beta_sigmas",
-            "use_lu_lambdas",
-            "use_flow_sigmas",
-            "use_dynamic_shifting",
-            "variance_type",
-        )
-        for key, value in FIXED_OPTIONS.items():
-            check_choice(self.CLASS_NAME, cfg, key, (value,))
-        check_choice(self.CLASS_NAME, cfg, "prediction_type", ("epsilon", "sample", "v_prediction"))
-        check_choice(self.CLASS_NAME, cfg, "final_sigmas_type", ("zero", "sigma_min"))
-        check_choice(self.CLASS_NAME, cfg, "timestep_spacing", TIMESTEP_SPACINGS)
-        betas = make_betas(cfg)
-        if cfg["rescale_betas_zero_snr"]:
-            betas = rescale_zero_terminal_snr(betas)
-        self.alphas_cumprod = cumprod_alphas(betas)
-        if cfg["rescale_betas_zero_snr"]:
-            # Zero SNR would give an infinite sigma; diffusers pins it to a tiny alpha instead.
-            self.alphas_cumprod[-1] = 2.0**-24
+        self.alphas_cumprod = make_alphas_cumprod(self.config, finite_sigmas=True)
         self._train_sigmas = train_sigmas(self.alphas_cumprod)
         # log(alpha_t / sigma_t) per training step, float32 as diffusers keeps it.
         self._train_lambdas = np.log(np.sqrt(self.alphas_cumprod)) - np.log(
             np.sqrt(np.float32(1.0) - self.alphas_cumprod)
         )
         self.sigmas = self._train_sigmas.copy()
-        self._reset_history()
 
     def _reset_history(self) -> None:
-        self._step_index: int | None = None
+        super()._reset_history()
         self._prev_x0: np.ndarray | None = None
         self._lower_order_nums = 0
 
@@ -140,10 +124,9 @@ class DPMSolverMultistepScheduler(Scheduler):
             timesteps = t_frac.astype(np.int64)
         else:
             sigmas = interp_sigmas(timesteps, self._train_sigmas)
-        last_sigma = (
-            float(self._train_sigmas[0]) if cfg["final_sigmas_type"] == "sigma_min" else 0.0
+        self.sigmas = np.concatenate([sigmas, [final_sigma(cfg, self._train_sigmas)]]).astype(
+            np.float32
         )
-        self.sigmas = np.concatenate([sigmas, [last_sigma]]).astype(np.float32)
         self.timesteps = timesteps
         self.num_inference_steps = len(timesteps)
         self._reset_history()
@@ -155,17 +138,21 @@ class DPMSolverMultistepScheduler(Scheduler):
         return alpha, sigma * alpha
 
     def _predict_x0(self, model_output: np.ndarray, sample: np.ndarray, sigma: float):
-        cfg = self.config
+        # In VP form with (alpha_t, sigma_t) of the Karras sigma, as diffusers computes it here:
+        # the same x0 as base.sigma_x0 mathematically, but rounded differently.
+        prediction = self.config["prediction_type"]
         alpha_t, sigma_t = self._alpha_sigma(sigma)
-        if cfg["prediction_type"] == "epsilon":
+        if prediction == "epsilon":
             x0 = (sample - sigma_t * model_output) / alpha_t
-        elif cfg["prediction_type"] == "v_prediction":
+        elif prediction == "v_prediction":
             x0 = alpha_t * sample - sigma_t * model_output
         else:
             x0 = model_output
-        if cfg["thresholding"]:
-            x0 = threshold_sample(x0, cfg["dynamic_thresholding_ratio"], cfg["sample_max_value"])
-        return x0
+        return clip_x0(self.config, x0)
+
+    def _missing_timestep_index(self, timestep: Any) -> int:
+        # diffusers starts at the last step when the timestep is not in the schedule.
+        return len(self.timesteps) - 1
 
     def step(
         self,
@@ -176,10 +163,7 @@ class DPMSolverMultistepScheduler(Scheduler):
     ) -> np.ndarray:
         self._require_timesteps()
         cfg = self.config
-        if self._step_index is None:
-            index = index_for_timestep(self.timesteps, timestep)
-            self._step_index = len(self.timesteps) - 1 if index is None else index
-        i = self._step_index
+        i = self._init_step_index(timestep)
         n = len(self.timesteps)
         short = n < 15
         first_order_final = i == n - 1 and (

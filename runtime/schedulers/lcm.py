@@ -16,29 +16,25 @@ from typing import Any
 import numpy as np
 
 from .base import (
+    BETA_DEFAULTS,
+    AlphaScheduler,
     NoiseGenerator,
-    Scheduler,
-    check_choice,
+    alpha_x0,
     check_num_inference_steps,
-    cumprod_alphas,
+    clip_x0,
     draw_noise,
-    index_for_timestep,
-    make_betas,
-    rescale_zero_terminal_snr,
-    threshold_sample,
 )
 
 SIGMA_DATA = 0.5
 
 
-class LCMScheduler(Scheduler):
+class LCMScheduler(AlphaScheduler):
     CLASS_NAME = "LCMScheduler"
     DEFAULTS = {
-        "num_train_timesteps": 1000,
+        **BETA_DEFAULTS,
         "beta_start": 0.00085,
         "beta_end": 0.012,
         "beta_schedule": "scaled_linear",
-        "trained_betas": None,
         "original_inference_steps": 50,
         "clip_sample": False,
         "clip_sample_range": 1.0,
@@ -52,17 +48,7 @@ class LCMScheduler(Scheduler):
         "timestep_scaling": 10.0,
         "rescale_betas_zero_snr": False,
     }
-
-    def __init__(self, config: dict[str, Any] | None = None, **overrides: Any) -> None:
-        super().__init__(config, **overrides)
-        cfg = self.config
-        check_choice(self.CLASS_NAME, cfg, "prediction_type", ("epsilon", "sample", "v_prediction"))
-        betas = make_betas(cfg)
-        if cfg["rescale_betas_zero_snr"]:
-            betas = rescale_zero_terminal_snr(betas)
-        self.alphas_cumprod = cumprod_alphas(betas)
-        self.final_alpha_cumprod = 1.0 if cfg["set_alpha_to_one"] else float(self.alphas_cumprod[0])
-        self._step_index: int | None = None
+    CHOICES = {"prediction_type": ("epsilon", "sample", "v_prediction")}
 
     def set_timesteps(self, num_inference_steps: int) -> None:
         n = check_num_inference_steps(num_inference_steps)
@@ -83,7 +69,7 @@ class LCMScheduler(Scheduler):
         picks = np.floor(np.linspace(0, original, num=n, endpoint=False)).astype(np.int64)
         self.timesteps = origin[picks]
         self.num_inference_steps = n
-        self._step_index = None
+        self._reset_history()
 
     def _boundary_scalings(self, t: int) -> tuple[float, float]:
         s = t * float(self.config["timestep_scaling"])
@@ -101,29 +87,12 @@ class LCMScheduler(Scheduler):
         self._require_timesteps()
         cfg = self.config
         t = int(timestep)
-        if self._step_index is None:
-            index = index_for_timestep(self.timesteps, t)
-            if index is None:
-                raise ValueError(f"timestep {timestep!r} is not in the schedule")
-            self._step_index = index
-        i = self._step_index
+        i = self._init_step_index(t)
         prev_t = int(self.timesteps[i + 1]) if i + 1 < len(self.timesteps) else t
         alpha_t = float(self.alphas_cumprod[t])
-        alpha_prev = float(self.alphas_cumprod[prev_t]) if prev_t >= 0 else self.final_alpha_cumprod
-        beta_t = 1.0 - alpha_t
+        alpha_prev = self._alpha_prod(prev_t)
         c_skip, c_out = self._boundary_scalings(t)
-
-        prediction = cfg["prediction_type"]
-        if prediction == "epsilon":
-            x0 = (sample - math.sqrt(beta_t) * model_output) / math.sqrt(alpha_t)
-        elif prediction == "sample":
-            x0 = model_output
-        else:  # v_prediction
-            x0 = math.sqrt(alpha_t) * sample - math.sqrt(beta_t) * model_output
-        if cfg["thresholding"]:
-            x0 = threshold_sample(x0, cfg["dynamic_thresholding_ratio"], cfg["sample_max_value"])
-        elif cfg["clip_sample"]:
-            x0 = np.clip(x0, -cfg["clip_sample_range"], cfg["clip_sample_range"])
+        x0 = clip_x0(cfg, alpha_x0(cfg["prediction_type"], model_output, sample, alpha_t))
 
         denoised = c_out * x0 + c_skip * sample
         if i != self.num_inference_steps - 1:

@@ -20,43 +20,36 @@ from typing import Any
 import numpy as np
 
 from .base import (
+    BETA_DEFAULTS,
     TIMESTEP_SPACINGS,
+    AlphaScheduler,
     NoiseGenerator,
-    Scheduler,
-    check_choice,
+    alpha_eps,
     check_num_inference_steps,
-    cumprod_alphas,
-    make_betas,
-    spaced_timesteps,
 )
 
 
-class PNDMScheduler(Scheduler):
+class PNDMScheduler(AlphaScheduler):
     CLASS_NAME = "PNDMScheduler"
     DEFAULTS = {
-        "num_train_timesteps": 1000,
-        "beta_start": 0.0001,
-        "beta_end": 0.02,
-        "beta_schedule": "linear",
-        "trained_betas": None,
+        **BETA_DEFAULTS,
         "skip_prk_steps": False,
         "set_alpha_to_one": False,
         "prediction_type": "epsilon",
         "timestep_spacing": "leading",
         "steps_offset": 0,
     }
+    CHOICES = {
+        "prediction_type": ("epsilon", "v_prediction"),
+        "timestep_spacing": TIMESTEP_SPACINGS,
+    }
 
     def __init__(self, config: dict[str, Any] | None = None, **overrides: Any) -> None:
         super().__init__(config, **overrides)
-        cfg = self.config
-        check_choice(self.CLASS_NAME, cfg, "prediction_type", ("epsilon", "v_prediction"))
-        check_choice(self.CLASS_NAME, cfg, "timestep_spacing", TIMESTEP_SPACINGS)
-        self.alphas_cumprod = cumprod_alphas(make_betas(cfg))
-        self.final_alpha_cumprod = 1.0 if cfg["set_alpha_to_one"] else float(self.alphas_cumprod[0])
         self.prk_timesteps = np.empty(0, dtype=np.int64)
-        self._reset_history()
 
     def _reset_history(self) -> None:
+        super()._reset_history()
         self.counter = 0
         self.ets: list[np.ndarray] = []  # model outputs at the grid points, newest last
         self.cur_sample: np.ndarray | None = None
@@ -67,9 +60,7 @@ class PNDMScheduler(Scheduler):
         cfg = self.config
         t_train = int(cfg["num_train_timesteps"])
         # Ascending grid of n training timesteps.
-        grid = np.round(
-            spaced_timesteps(cfg["timestep_spacing"], t_train, n, int(cfg["steps_offset"]))
-        ).astype(np.int64)[::-1]
+        grid = np.round(self._spaced_timesteps(n)).astype(np.int64)[::-1]
         if cfg["skip_prk_steps"]:
             prk = np.empty(0, dtype=np.int64)
             # Descending, with the second point repeated for the Heun-like warm-up step.
@@ -155,10 +146,9 @@ class PNDMScheduler(Scheduler):
     ) -> np.ndarray:
         """PNDM eq. 9: move ``sample`` from timestep t to prev_t along the eps direction."""
         alpha_t = float(self.alphas_cumprod[t])
-        alpha_prev = float(self.alphas_cumprod[prev_t]) if prev_t >= 0 else self.final_alpha_cumprod
+        alpha_prev = self._alpha_prod(prev_t)
         beta_t, beta_prev = 1.0 - alpha_t, 1.0 - alpha_prev
-        if self.config["prediction_type"] == "v_prediction":
-            model_output = math.sqrt(alpha_t) * model_output + math.sqrt(beta_t) * sample
+        model_output = alpha_eps(self.config["prediction_type"], model_output, sample, alpha_t)
         sample_coeff = math.sqrt(alpha_prev / alpha_t)
         denom = alpha_t * math.sqrt(beta_prev) + math.sqrt(alpha_t * beta_t * alpha_prev)
         return sample_coeff * sample - (alpha_prev - alpha_t) * model_output / denom
