@@ -1,0 +1,880 @@
+"""`sdiree bench`: sdiree against diffusers/torch on the same work, model, device, dtype and shape.
+
+Modelled on ONNX Runtime's Stable Diffusion benchmark (warm-up runs, then timed runs; peak
+memory of the first and of a later run; one row per configuration), with one row per figure:
+
+- ``text_encoder``: one text encoder call (token ids, batch B);
+- ``unet``: one UNet call at batch 2B (sdiree's ``denoise_cfg``, both guidance halves);
+- ``vae_decode``: one VAE decode (latents → image, scaling factor included on both sides);
+- ``image``: a whole image at S steps (tokenize, encode prompt and negative prompt, S guided
+  UNet steps with the model's scheduler, decode, 8-bit pixels), sdiree's ``Text2Image`` against
+  diffusers' ``StableDiffusionPipeline`` with the same prompt, seed and scheduler.
+
+Method:
+
+- The artifact is compiled (or reused) through ``compile_model``; its Reporter gives the seconds
+  per submodule (the VAE's load and shared parameter archive are counted under vae_decoder).
+- Each side runs in its own fresh worker process (``python -m sdiree.compile.bench --worker``):
+  the sdiree worker imports only the torch-free runtime (checked: torch is not in its
+  ``sys.modules``), the torch worker imports torch and diffusers. Neither sees the other's
+  memory, and the parent (which compiled) holds no model while timing.
+- The parent drives the two workers in turn, one call at a time, alternating for every run
+  (sdiree run i, torch run i, sdiree run i+1, ...), so drift in machine load hits both sides; a
+  worker waits idle on its pipe while the other runs. Each figure gets W warm-up runs and then
+  N timed runs; median, min and max are over the N timed runs. The image figure runs first, so
+  its first run is each process's first inference after loading.
+- Every call converts its inputs from numpy and its outputs back to numpy on the host, on both
+  sides (sdiree's Session.call contract; torch: ``from_numpy(...).to(device)`` ... ``.cpu()``),
+  so GPU timings include synchronisation.
+- Memory: process RSS (anonymous and file-backed resident pages: IREE memory-maps parameter
+  archives, torch copies weights into anonymous memory; both count once touched). Before each
+  call the worker resets the kernel's peak-RSS mark (``/proc/self/clear_refs`` ← 5) and reads
+  ``VmHWM`` after it, giving the true peak of that call alone; where that is unavailable a
+  psutil sampling thread (1 ms) stands in (``memory_method`` in the JSON). Reported: RSS after
+  imports, the peak while loading, RSS after loading, and per figure the peak of its first run
+  and of its last run. On GPU targets the torch side also reports ``device_peak_mb``
+  (torch.cuda.max_memory_allocated); sdiree has no equivalent yet.
+- Parity: the outputs of each side's last run of each figure on the same inputs (drawn once by
+  ``verify.make_inputs`` and shared through a file) are compared: max abs difference, the
+  output's scale and their ratio; for the image, max abs difference in 8-bit levels and PSNR.
+- torch side: eager mode with SDPA attention (AttnProcessor2_0, ``sdpa`` for the text
+  encoder), in the artifact's dtype, on the artifact's device (cpu → cpu; cuda and rocm →
+  torch's cuda device; vulkan-spirv → cpu, as torch has no Vulkan backend);
+  ``torch_compile`` wraps the UNet with ``torch.compile`` (its compile lands in the first run).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+def _require_compile_extra() -> None:
+    """Raise ImportError when the compile extra is missing (without importing anything)."""
+    for name in ("torch", "diffusers", "transformers", "iree.compiler"):
+        if importlib.util.find_spec(name) is None:
+            raise ImportError(f"No module named '{name}'")
+
+
+_require_compile_extra()
+
+SCHEMA = "sdiree-bench/1"
+FIGURES = ("text_encoder", "unet", "vae_decode", "image")  # display order
+RUN_ORDER = ("image", "text_encoder", "unet", "vae_decode")  # image first: first inference
+SIDES = ("sdiree", "torch")
+SETTLE_S = 0.05  # pause between calls, so one side's spinning threads never overlap the other
+TORCH_DEVICE = {"cpu": "cpu", "cuda": "cuda", "rocm": "cuda", "vulkan-spirv": "cpu"}
+TORCH_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+DEFAULT_PROMPT = "a photograph of an astronaut riding a horse"
+SUBMODULE_OF_ITEM = {"vae": "vae_decoder"}  # the VAE's load and shared archive
+
+
+@dataclass
+class BenchOptions:
+    model_dir: Path
+    target: str
+    arch: str | None = None
+    dtype: str | None = None
+    height: int | None = None
+    width: int | None = None
+    steps: int = 20
+    runs: int = 5
+    warmup: int = 2
+    json_path: Path | None = None
+    torch_compile: bool = False
+    out: Path | None = None
+    device: str | None = None
+    prompt: str = DEFAULT_PROMPT
+    negative_prompt: str = ""
+    guidance_scale: float = 7.5
+    seed: int = 42
+    specs_dir: Path | None = None
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+
+def _status_mb(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
+def rss_mb() -> float:
+    v = _status_mb("VmRSS")
+    if v is not None:
+        return v
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def _can_reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return _status_mb("VmHWM") is not None
+
+
+class PeakRSS:
+    """Peak RSS (MB) over a with-block: VmHWM after a reset, or a psutil sampling thread."""
+
+    def __init__(self) -> None:
+        self.method = "vmhwm-reset" if _can_reset_peak() else "psutil-sampling-1ms"
+        self.peak_mb = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> PeakRSS:
+        if self.method == "vmhwm-reset":
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        else:
+            self.peak_mb = rss_mb()
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak_mb = max(self.peak_mb, rss_mb())
+
+    def __exit__(self, *exc) -> None:
+        if self.method == "vmhwm-reset":
+            self.peak_mb = _status_mb("VmHWM") or 0.0
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak_mb = max(self.peak_mb, rss_mb())
+
+
+# -- the two sides, each in its own worker process ----------------------------------------------
+
+
+class SdireeSide:
+    """sdiree's runtime: Session calls and Text2Image, torch-free."""
+
+    @staticmethod
+    def imports() -> None:
+        import iree.runtime  # noqa: F401
+
+        import sdiree.runtime.pipeline  # noqa: F401
+        import sdiree.runtime.session  # noqa: F401
+
+    def __init__(self, spec: dict):
+        from sdiree.runtime.device_select import choose_device
+        from sdiree.runtime.image_output import to_uint8
+        from sdiree.runtime.manifest import load_manifest
+        from sdiree.runtime.pipeline import GenerationRequest, Text2Image, resolve_request
+        from sdiree.runtime.session import Session
+
+        manifest = load_manifest(Path(spec["artifact_dir"]))
+        info, _ = choose_device(manifest, spec["device"])
+        self.session = Session(manifest, info, Text2Image.SUBMODULES)
+        t2i = Text2Image(manifest, self.session)
+        req = resolve_request(
+            manifest,
+            GenerationRequest(
+                prompt=spec["prompt"],
+                negative_prompt=spec["negative_prompt"],
+                steps=spec["steps"],
+                guidance_scale=spec["guidance_scale"],
+                scheduler=spec["scheduler"],
+                seed=spec["seed"],
+            ),
+        )
+        x = dict(np.load(spec["inputs"]))
+        call = self.session.call
+        self.figures = {
+            "text_encoder": lambda: call("text_encoder", "encode", x["text_encoder.input_ids"]),
+            "unet": lambda: call(
+                "unet",
+                "denoise_cfg",
+                x["unet.sample"],
+                x["unet.timestep"],
+                x["unet.encoder_hidden_states"],
+            ),
+            "vae_decode": lambda: call("vae_decoder", "decode", x["vae_decode.latents"]),
+            "image": lambda: [to_uint8(t2i.generate(req, progress=None).images)],
+        }
+        self.info = {"device": f"{info.label} ({info.name})", "scheduler": req.scheduler}
+
+    def after_run(self) -> dict:
+        return {}
+
+
+class TorchSide:
+    """diffusers' StableDiffusionPipeline and its torch modules, eager with SDPA attention."""
+
+    @staticmethod
+    def imports() -> None:
+        from .quiet import quiet_libraries
+
+        quiet_libraries()
+        import diffusers  # noqa: F401
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+
+    def __init__(self, spec: dict):
+        import diffusers
+        import torch
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        self.torch = torch
+        dtype = getattr(torch, spec["torch_dtype"])
+        device = torch.device(spec["torch_device"])
+        self.cuda = device.type == "cuda"
+        pipe = diffusers.StableDiffusionPipeline.from_pretrained(
+            spec["model_dir"],
+            torch_dtype=dtype,
+            safety_checker=None,
+            requires_safety_checker=False,
+            local_files_only=True,
+        )
+        pipe.set_progress_bar_config(disable=True)
+        if spec["diffusers_scheduler"]:
+            cls = getattr(diffusers, spec["diffusers_scheduler"])
+            pipe.scheduler = cls.from_config(pipe.scheduler.config)
+        pipe.unet.set_attn_processor(AttnProcessor2_0())
+        pipe.vae.set_attn_processor(AttnProcessor2_0())
+        pipe.text_encoder.set_attn_implementation("sdpa")
+        pipe.to(device)
+        if spec["torch_compile"]:
+            pipe.unet = torch.compile(pipe.unet)
+        sf = pipe.vae.config.scaling_factor
+        x = dict(np.load(spec["inputs"]))
+
+        def t(name):
+            return torch.from_numpy(x[name]).to(device)
+
+        def host(o):
+            o = o.detach().cpu()
+            return (o.float() if o.dtype == torch.bfloat16 else o).numpy()
+
+        def text_encoder():
+            out = pipe.text_encoder(t("text_encoder.input_ids"), return_dict=True)
+            return [host(out.last_hidden_state), host(out.pooler_output)]
+
+        def unet():
+            args = (t("unet.sample"), t("unet.timestep"), t("unet.encoder_hidden_states"))
+            return [host(pipe.unet(*args, return_dict=False)[0])]
+
+        def vae_decode():
+            return [host(pipe.vae.decode(t("vae_decode.latents") / sf, return_dict=False)[0])]
+
+        def image():
+            out = pipe(
+                spec["prompt"],
+                negative_prompt=spec["negative_prompt"] or None,
+                num_inference_steps=spec["steps"],
+                guidance_scale=spec["guidance_scale"],
+                generator=torch.Generator("cpu").manual_seed(spec["seed"]),
+                height=spec["height"],
+                width=spec["width"],
+                output_type="np",
+            ).images
+            return [(out * 255).round().astype(np.uint8)]
+
+        def no_grad(fn):
+            def run():
+                with torch.inference_mode():
+                    return fn()
+
+            return run
+
+        self.figures = {
+            name: no_grad(fn)
+            for name, fn in (
+                ("text_encoder", text_encoder),
+                ("unet", unet),
+                ("vae_decode", vae_decode),
+                ("image", image),
+            )
+        }
+        self.info = {
+            "device": str(device),
+            "dtype": spec["torch_dtype"],
+            "threads": torch.get_num_threads(),
+            "attention": "sdpa",
+            "torch_compile": bool(spec["torch_compile"]),
+            "scheduler": type(pipe.scheduler).__name__,
+        }
+        if self.cuda:
+            self.info["device_name"] = torch.cuda.get_device_name(device)
+
+    def before_run(self) -> None:
+        if self.cuda:
+            self.torch.cuda.reset_peak_memory_stats()
+
+    def after_run(self) -> dict:
+        if self.cuda:
+            return {"device_peak_mb": self.torch.cuda.max_memory_allocated() / 2**20}
+        return {}
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this worker when the parent bench process dies."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def worker_main(side: str, spec_path: Path) -> int:
+    """Serve one side: JSON requests on stdin, one JSON reply a line on the original stdout."""
+    _die_with_parent()
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything else printed (by us or a library, Python or C) goes to the log
+    spec = json.loads(Path(spec_path).read_text())
+    cls = SdireeSide if side == "sdiree" else TorchSide
+    runner = None
+    for line in sys.stdin:
+        msg = json.loads(line)
+        op = msg["op"]
+        if op == "quit":
+            break
+        try:
+            if op == "import":
+                rss0 = rss_mb()
+                t0 = time.perf_counter()
+                cls.imports()
+                reply = {
+                    "import_s": time.perf_counter() - t0,
+                    "rss_at_start_mb": rss0,
+                    "rss_after_imports_mb": rss_mb(),
+                }
+            elif op == "load":
+                reply = {}
+                with PeakRSS() as peak:
+                    t0 = time.perf_counter()
+                    runner = cls(spec)
+                    reply["seconds"] = time.perf_counter() - t0
+                gc.collect()
+                reply.update(
+                    peak_rss_load_mb=peak.peak_mb,
+                    rss_after_load_mb=rss_mb(),
+                    memory_method=peak.method,
+                    torch_imported="torch" in sys.modules,
+                    pid=os.getpid(),
+                    **runner.info,
+                )
+            elif op == "run":
+                fn = runner.figures[msg["figure"]]
+                gc.collect()
+                if hasattr(runner, "before_run"):
+                    runner.before_run()
+                rss0 = rss_mb()
+                with PeakRSS() as peak:
+                    t0 = time.perf_counter()
+                    outs = fn()
+                    seconds = time.perf_counter() - t0
+                reply = {
+                    "seconds": seconds,
+                    "peak_rss_mb": peak.peak_mb,
+                    "rss_before_mb": rss0,
+                    **runner.after_run(),
+                }
+                if msg.get("save"):
+                    np.savez(msg["save"], *outs)
+            else:
+                reply = {"error": f"unknown op {op!r}"}
+        except Exception as e:  # noqa: BLE001 - reported to the parent, traceback to the log
+            traceback.print_exc()
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        proto.write(json.dumps(reply) + "\n")
+    return 0
+
+
+class Worker:
+    """The parent's handle on one side's worker process."""
+
+    def __init__(self, side: str, spec_path: Path, log_path: Path):
+        self.side = side
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in close()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sdiree.compile.bench", "--worker", side, str(spec_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            bufsize=1,
+            env=env,
+        )
+
+    def ask(self, **msg) -> dict:
+        from sdiree.runtime.errors import UserError
+
+        try:
+            self.proc.stdin.write(json.dumps(msg) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            self.proc.wait(timeout=30)
+            raise UserError(
+                f"the {self.side} bench worker died (exit {self.proc.returncode}) during "
+                f"{msg.get('op')} {msg.get('figure', '')}: {self._log_tail()} (log: {self.log_path})"
+            )
+        reply = json.loads(line)
+        if "error" in reply:
+            raise UserError(
+                f"the {self.side} side failed during {msg.get('op')} {msg.get('figure', '')}: "
+                f"{reply['error']} (log: {self.log_path})"
+            )
+        return reply
+
+    def _log_tail(self) -> str:
+        self._log.flush()
+        lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        return lines[-1].strip() if lines else "no output"
+
+    def close(self, kill: bool = False) -> None:
+        if kill and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+# -- the parent: compile, drive the workers, report -----------------------------------------------
+
+
+def compile_times(reporter) -> dict:
+    """Seconds per submodule from the compile Reporter; 'reused' when nothing was redone."""
+    from .driver import SUBMODULES
+
+    subs = {s: {"status": "reused", "seconds": 0.0, "stages": {}} for s in SUBMODULES}
+    shared = {}
+    for r in reporter.records:
+        sub = SUBMODULE_OF_ITEM.get(r.item, r.item)
+        entry = subs.get(sub)
+        if entry is None:
+            if r.status == "done":
+                shared[f"{r.stage}:{r.item}"] = round(r.seconds, 3)
+            continue
+        if r.status == "done":
+            entry["status"] = "compiled"
+            entry["seconds"] = round(entry["seconds"] + r.seconds, 3)
+            entry["stages"][r.stage] = round(entry["stages"].get(r.stage, 0.0) + r.seconds, 3)
+    total = round(sum(r.seconds for r in reporter.records if r.status == "done"), 3)
+    status = "compiled" if any(e["status"] == "compiled" for e in subs.values()) else "reused"
+    return {"status": status, "total_s": total, "submodules": subs, "shared": shared}
+
+
+def _stats(times: list[float]) -> dict:
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+    }
+
+
+def _finite(v):
+    """JSON-safe: non-finite floats (an identical image's infinite PSNR) become null."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_finite(x) for x in v]
+    return v
+
+
+def parity(figure: str, names: list[str], ours: Path, theirs: Path) -> dict:
+    """max |sdiree - torch| on the same inputs, per output (8-bit levels and PSNR for images)."""
+    from .verify import compare
+
+    a = np.load(ours)
+    b = np.load(theirs)
+    outputs = {}
+    for i, name in enumerate(names):
+        x = a[f"arr_{i}"]
+        y = b[f"arr_{i}"]
+        if figure == "image":
+            d = x.astype(np.float64) - y.astype(np.float64)
+            mse = float(np.mean(d**2))
+            outputs[name] = {
+                "max_abs": float(np.max(np.abs(d))),
+                "unit": "8-bit levels",
+                "psnr_db": float("inf") if mse == 0 else float(10 * np.log10(255.0**2 / mse)),
+            }
+        else:
+            max_abs, scale, psnr = compare(y.astype(np.float32), x.astype(np.float32))
+            outputs[name] = {
+                "max_abs": max_abs,
+                "scale": scale,
+                "rel": max_abs / scale,
+                "psnr_db": psnr,
+            }
+    worst = max(outputs.values(), key=lambda o: o["max_abs"])
+    return {
+        "max_abs": max(o["max_abs"] for o in outputs.values()),
+        "worst": worst,
+        "outputs": outputs,
+    }
+
+
+def _environment() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {}
+    for n in ("sdiree", "torch", "diffusers", "transformers", "iree-base-runtime",
+              "iree-base-compiler", "iree-turbine"):  # fmt: skip
+        try:
+            versions[n] = version(n)
+        except PackageNotFoundError:
+            versions[n] = None
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "versions": versions,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _validate(opts: BenchOptions) -> None:
+    from sdiree.runtime.errors import UserError
+
+    if opts.runs < 1:
+        raise UserError(f"--runs {opts.runs}: at least one timed run is needed")
+    if opts.warmup < 0:
+        raise UserError(f"--warmup {opts.warmup} must be 0 or more")
+    if opts.steps < 1:
+        raise UserError(f"--steps {opts.steps}: the number of steps must be at least 1")
+    if opts.target not in TORCH_DEVICE:
+        raise UserError(f"unknown target '{opts.target}': choose one of {', '.join(TORCH_DEVICE)}")
+    if opts.json_path is not None and Path(opts.json_path).is_dir():
+        raise UserError(f"--json {opts.json_path} is a directory; name a file")
+
+
+def _figure_labels(manifest, steps: int, scheduler: str) -> dict:
+    b = manifest.image["batch_size"]
+    return {
+        "text_encoder": f"text encoder (encode, batch {b})",
+        "unet": f"UNet (denoise_cfg, batch {2 * b})",
+        "vae_decode": f"VAE decode (batch {b})",
+        "image": f"image ({steps} steps, {scheduler})",
+    }
+
+
+def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
+    """Compile (or reuse), time both sides, write the JSON, print the markdown; returns the report."""
+    from sdiree.runtime import schedulers
+    from sdiree.runtime.manifest import load_manifest
+    from sdiree.runtime.pipeline import scheduler_config
+
+    from .driver import CompileOptions, compile_model
+    from .quiet import quiet_libraries
+    from .report import Reporter
+    from .verify import make_inputs
+
+    out = out or sys.stdout
+    log = log or sys.stderr
+    _validate(opts)
+    quiet_libraries()
+    load_start = _loadavg()
+    reporter = Reporter(stream=log)
+    manifest_path = compile_model(
+        CompileOptions(
+            model_dir=Path(opts.model_dir),
+            target=opts.target,
+            arch=opts.arch,
+            dtype=opts.dtype,
+            height=opts.height,
+            width=opts.width,
+            out=opts.out,
+            specs_dir=opts.specs_dir,
+        ),
+        reporter,
+    )
+    compiled = compile_times(reporter)
+    art = manifest_path.parent
+    manifest = load_manifest(art)
+    img = manifest.image
+    config = scheduler_config(manifest)
+    sched = schedulers.name_for_config(config)
+    diffusers_sched = None
+    if sched is None:  # no sdiree port of the model's scheduler: both sides use Euler
+        sched, diffusers_sched = "euler", "EulerDiscreteScheduler"
+
+    work = Path(tempfile.mkdtemp(prefix="sdiree-bench-"))
+    inputs = {
+        "text_encoder.input_ids": make_inputs(manifest, "text_encoder", "encode", opts.seed)[0],
+        "vae_decode.latents": make_inputs(manifest, "vae_decoder", "decode", opts.seed)[0],
+    }
+    sample, timestep, text = make_inputs(manifest, "unet", "denoise_cfg", opts.seed)
+    inputs.update({"unet.sample": sample, "unet.timestep": timestep})
+    inputs["unet.encoder_hidden_states"] = text
+    np.savez(work / "inputs.npz", **inputs)
+    torch_dtype = TORCH_DTYPE[manifest.dtype]
+    spec = {
+        "artifact_dir": str(art),
+        "model_dir": str(Path(opts.model_dir).absolute()),
+        "device": opts.device,
+        "torch_device": TORCH_DEVICE[manifest.target],
+        "torch_dtype": torch_dtype,
+        "torch_compile": opts.torch_compile,
+        "inputs": str(work / "inputs.npz"),
+        "prompt": opts.prompt,
+        "negative_prompt": opts.negative_prompt,
+        "guidance_scale": opts.guidance_scale,
+        "seed": opts.seed,
+        "steps": opts.steps,
+        "scheduler": sched,
+        "diffusers_scheduler": diffusers_sched,
+        "height": img["height"],
+        "width": img["width"],
+    }
+    (work / "spec.json").write_text(json.dumps(spec, indent=2))
+    output_names = {
+        "text_encoder": [
+            o.name for o in manifest.submodules["text_encoder"].functions["encode"].outputs
+        ],
+        "unet": [o.name for o in manifest.submodules["unet"].functions["denoise_cfg"].outputs],
+        "vae_decode": [
+            o.name for o in manifest.submodules["vae_decoder"].functions["decode"].outputs
+        ],
+        "image": ["pixels"],
+    }
+
+    def say(msg: str) -> None:
+        print(msg, file=log, flush=True)
+
+    total = opts.warmup + opts.runs
+    workers: dict[str, Worker] = {}
+    runs: dict[str, dict[str, list[dict]]] = {f: {s: [] for s in SIDES} for f in FIGURES}
+    try:
+        for side in SIDES:
+            workers[side] = Worker(side, work / "spec.json", work / f"{side}.log")
+        loads = {}
+        for side in SIDES:
+            say(f"[bench load {side}] ...")
+            loads[side] = workers[side].ask(op="import")
+            loads[side].update(workers[side].ask(op="load"))
+            say(f"[bench load {side}] done in {loads[side]['seconds']:.1f}s")
+        for figure in RUN_ORDER:
+            for i in range(total):
+                line = []
+                for side in SIDES:
+                    save = str(work / f"{side}-{figure}.npz") if i == total - 1 else None
+                    r = workers[side].ask(op="run", figure=figure, save=save)
+                    r["warmup"] = i < opts.warmup
+                    runs[figure][side].append(r)
+                    line.append(f"{side} {r['seconds']:.3f}s")
+                    time.sleep(SETTLE_S)
+                kind = "warm-up" if i < opts.warmup else "run"
+                say(f"[bench {figure}] {kind} {i + 1}/{total}: " + ", ".join(line))
+    except BaseException:
+        for w in workers.values():
+            w.close(kill=True)
+        say(f"bench: worker logs kept in {work}")
+        raise
+    for w in workers.values():
+        w.close()
+
+    labels = _figure_labels(manifest, opts.steps, sched)
+    figures = {}
+    for figure in FIGURES:
+        entry = {"label": labels[figure]}
+        for side in SIDES:
+            rs = runs[figure][side]
+            timed = [r["seconds"] for r in rs if not r["warmup"]]
+            entry[side] = {
+                **_stats(timed),
+                "times_s": timed,
+                "warmup_s": [r["seconds"] for r in rs if r["warmup"]],
+                "peak_rss_first_mb": rs[0]["peak_rss_mb"],
+                "peak_rss_later_mb": rs[-1]["peak_rss_mb"] if len(rs) > 1 else None,
+                "peak_rss_mb": [r["peak_rss_mb"] for r in rs],
+            }
+            if "device_peak_mb" in rs[0]:
+                entry[side]["device_peak_first_mb"] = rs[0]["device_peak_mb"]
+                entry[side]["device_peak_later_mb"] = rs[-1]["device_peak_mb"]
+        entry["ratio"] = entry["sdiree"]["median_s"] / entry["torch"]["median_s"]
+        entry["parity"] = parity(
+            figure,
+            output_names[figure],
+            work / f"sdiree-{figure}.npz",
+            work / f"torch-{figure}.npz",
+        )
+        figures[figure] = entry
+    shutil.rmtree(work, ignore_errors=True)
+
+    report = {
+        "schema": SCHEMA,
+        "config": {
+            "model": Path(opts.model_dir).absolute().name,
+            "model_dir": str(Path(opts.model_dir).absolute()),
+            "artifact_dir": str(art),
+            "target": manifest.target,
+            "arch": manifest.arch,
+            "dtype": manifest.dtype,
+            "height": img["height"],
+            "width": img["width"],
+            "batch_size": img["batch_size"],
+            "steps": opts.steps,
+            "guidance_scale": opts.guidance_scale,
+            "scheduler": sched,
+            "prompt": opts.prompt,
+            "negative_prompt": opts.negative_prompt,
+            "seed": opts.seed,
+            "runs": opts.runs,
+            "warmup": opts.warmup,
+            "torch_compile": opts.torch_compile,
+            "torch_device": spec["torch_device"],
+            "torch_dtype": torch_dtype,
+            "specs_dir": str(opts.specs_dir) if opts.specs_dir else None,
+            "unet_flags": manifest.data["submodules"]["unet"].get("flags"),
+            "unet_tuning_specs": manifest.data["submodules"]["unet"].get("tuning_specs"),
+        },
+        "environment": {**_environment(), "loadavg_start": load_start, "loadavg_end": _loadavg()},
+        "method": {
+            "alternation": "sdiree run i, torch run i, ... in two fresh worker processes",
+            "timed": "median/min/max over the timed runs, after the warm-up runs",
+            "memory": "peak process RSS over each call (VmHWM after a reset), per side process",
+            "memory_method": loads["sdiree"]["memory_method"],
+            "parity": "last run's outputs of both sides on the same inputs",
+            "ratio": "sdiree median / torch median (< 1: sdiree faster)",
+        },
+        "compile": compiled,
+        "sides": {side: loads[side] for side in SIDES},
+        "figures": figures,
+    }
+    report = _finite(report)
+    json_path = Path(opts.json_path) if opts.json_path else art / "bench.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    report["json_path"] = str(json_path)
+    print(markdown(report), file=out, flush=True)
+    say(f"wrote {json_path}")
+    return report
+
+
+# -- markdown ------------------------------------------------------------------------------------
+
+
+def _mb(v) -> str:
+    return "–" if v is None else f"{v:,.0f}"
+
+
+def _secs(v: float) -> str:
+    return f"{v:.3f}" if v < 10 else f"{v:.2f}"
+
+
+def _parity_cell(figure: str, p: dict) -> str:
+    w = p["worst"]
+    if figure == "image":
+        psnr = w.get("psnr_db")
+        return f"{w['max_abs']:.0f} levels, " + ("identical" if psnr is None else f"{psnr:.1f} dB")
+    return f"{w['max_abs']:.3g} (rel {w['rel']:.2g})"
+
+
+def markdown(report: dict) -> str:
+    """The report as markdown: one row per figure, then load/memory and compile tables."""
+    c = report["config"]
+    tc = ", torch.compile" if c["torch_compile"] else ""
+    lines = [
+        f"### {c['model']}: {c['target']}/{c['arch']} {c['dtype']}, {c['width']}x{c['height']}, "
+        f"batch {c['batch_size']}, {c['steps']} steps ({c['scheduler']}); "
+        f"torch {c['torch_device']} {c['torch_dtype']}{tc}; "
+        f"{c['runs']} runs after {c['warmup']} warm-up",
+        "",
+        "| figure | sdiree s, median (min–max) | torch s, median (min–max) | sdiree/torch "
+        "| sdiree peak RSS MB, first / later | torch peak RSS MB, first / later "
+        "| parity max abs diff |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for figure in FIGURES:
+        f = report["figures"][figure]
+        cells = [f["label"]]
+        for side in SIDES:
+            s = f[side]
+            cells.append(f"{_secs(s['median_s'])} ({_secs(s['min_s'])}–{_secs(s['max_s'])})")
+        cells.append(f"{f['ratio']:.2f}")
+        for side in SIDES:
+            s = f[side]
+            cells.append(f"{_mb(s['peak_rss_first_mb'])} / {_mb(s['peak_rss_later_mb'])}")
+        cells.append(_parity_cell(figure, f["parity"]))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "| side | import s | load s | RSS after imports MB | peak RSS while loading MB "
+        "| RSS after load MB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for side in SIDES:
+        s = report["sides"][side]
+        lines.append(
+            f"| {side} | {s['import_s']:.2f} | {s['seconds']:.2f} | {_mb(s['rss_after_imports_mb'])} "
+            f"| {_mb(s['peak_rss_load_mb'])} | {_mb(s['rss_after_load_mb'])} |"
+        )
+    comp = report["compile"]
+    lines += ["", "| submodule | compile | seconds |", "| --- | --- | ---: |"]
+    for sub, e in comp["submodules"].items():
+        lines.append(f"| {sub} | {e['status']} | {e['seconds']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 3 and argv[0] == "--worker":
+        return worker_main(argv[1], Path(argv[2]))
+    print("usage: python -m sdiree.compile.bench --worker SIDE SPEC (use `sdiree bench`)")
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""`sdiree bench` on the tiny model: the report's shape, its JSON and its markdown (never times).
+
+The bench reuses the session's compiled cpu artifact (same options, same --out), so nothing is
+compiled twice; one run after one warm-up at 2 steps keeps it to seconds of model work.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from sdiree.compile.bench import FIGURES, SIDES, BenchOptions, run_bench
+
+STATS = ("median_s", "min_s", "max_s")
+
+
+def number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@pytest.fixture(scope="module")
+def cpu_art(compiled):
+    return compiled.get("cpu", "host", "fp32")
+
+
+@pytest.fixture(scope="module")
+def bench(compiled, cpu_art, tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "report.json"
+    out, log = io.StringIO(), io.StringIO()
+    report = run_bench(
+        BenchOptions(
+            model_dir=compiled.model,
+            target="cpu",
+            arch="host",
+            dtype="fp32",
+            out=cpu_art,
+            steps=2,
+            runs=1,
+            warmup=1,
+            json_path=path,
+        ),
+        out=out,
+        log=log,
+    )
+    return report, out.getvalue(), path
+
+
+def test_every_figure_has_stats_ratio_memory_and_parity(bench):
+    report, _, _ = bench
+    assert set(report["figures"]) == set(FIGURES)
+    for name, fig in report["figures"].items():
+        for side in SIDES:
+            s = fig[side]
+            assert all(number(s[k]) and s[k] > 0 for k in STATS), (name, side, s)
+            assert s["min_s"] <= s["median_s"] <= s["max_s"]
+            assert len(s["times_s"]) == 1 and len(s["warmup_s"]) == 1
+            assert number(s["peak_rss_first_mb"]) and s["peak_rss_first_mb"] > 0
+            assert number(s["peak_rss_later_mb"]) and s["peak_rss_later_mb"] > 0
+        assert number(fig["ratio"]) and fig["ratio"] > 0
+        p = fig["parity"]
+        assert number(p["max_abs"]) and p["outputs"]
+        for out in p["outputs"].values():
+            assert number(out["max_abs"])
+    # tiny fp32 model: the components agree closely and the images nearly exactly
+    for name in ("text_encoder", "unet", "vae_decode"):
+        assert report["figures"][name]["parity"]["worst"]["rel"] < 1e-3
+    assert report["figures"]["image"]["parity"]["max_abs"] <= 8
+
+
+def test_compile_times_sides_and_config(bench):
+    report, _, _ = bench
+    comp = report["compile"]
+    assert comp["status"] in ("reused", "compiled") and number(comp["total_s"])
+    for sub in ("text_encoder", "unet", "vae_decoder", "vae_encoder"):
+        e = comp["submodules"][sub]
+        assert e["status"] in ("reused", "compiled") and number(e["seconds"])
+    for side in SIDES:
+        s = report["sides"][side]
+        for k in (
+            "import_s",
+            "seconds",
+            "rss_after_imports_mb",
+            "peak_rss_load_mb",
+            "rss_after_load_mb",
+        ):
+            assert number(s[k]), (side, k)
+    # each side runs in its own process; the sdiree one never imports torch
+    assert report["sides"]["sdiree"]["torch_imported"] is False
+    assert report["sides"]["torch"]["torch_imported"] is True
+    assert report["sides"]["sdiree"]["pid"] != report["sides"]["torch"]["pid"]
+    c = report["config"]
+    assert (c["target"], c["dtype"], c["steps"], c["runs"], c["warmup"]) == ("cpu", "fp32", 2, 1, 1)
+    assert (c["height"], c["width"]) == (64, 64)
+
+
+def test_json_is_written_and_loads(bench):
+    report, _, path = bench
+    loaded = json.loads(path.read_text())
+    assert loaded["schema"] == "sdiree-bench/1"
+    assert set(loaded["figures"]) == set(FIGURES)
+    assert (
+        loaded["figures"]["unet"]["sdiree"]["median_s"]
+        == report["figures"]["unet"]["sdiree"]["median_s"]
+    )
+
+
+def test_markdown_has_one_row_per_figure(bench):
+    report, text, _ = bench
+    lines = text.splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("| figure |"))
+    rows = []
+    for ln in lines[header + 2 :]:
+        if not ln.startswith("|"):
+            break
+        rows.append(ln)
+    assert len(rows) == len(FIGURES)
+    for row, name in zip(rows, FIGURES, strict=True):
+        assert row.startswith(f"| {report['figures'][name]['label']} |")
+        assert row.count("|") == 8
+
+
+def sdiree(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "sdiree.runtime.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_cli_bench(compiled, cpu_art, tmp_path):
+    path = tmp_path / "cli.json"
+    proc = sdiree("bench", compiled.model, "--target", "cpu", "--out", cpu_art, "--runs", 1,
+                  "--warmup", 0, "--steps", 2, "--json", path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "| figure |" in proc.stdout and "| image (2 steps" in proc.stdout
+    report = json.loads(path.read_text())
+    assert report["config"]["warmup"] == 0
+    assert report["figures"]["unet"]["sdiree"]["peak_rss_later_mb"] is None  # only one run
+
+
+def test_cli_bench_bad_runs_is_one_line():
+    proc = sdiree("bench", "nowhere", "--target", "cpu", "--runs", 0)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--runs 0" in lines[0]
+
+
+def test_cli_bench_without_compile_extra_says_how_to_install():
+    blocker = textwrap.dedent(
+        """
+        import sys
+        class Blocker:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch" or name.startswith("torch."):
+                    raise ImportError(f"blocked {name}")
+        sys.meta_path.insert(0, Blocker())
+        sys.argv = ["sdiree", "bench", "somewhere", "--target", "cpu"]
+        from sdiree.runtime.cli import main
+        main()
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "pip install 'sdiree[compile]'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sd15_random_tokenizer_has_clip_ids(tmp_path):
+    from make_sd15_random import CLIP_VOCAB_SIZE, pad_vocabulary
+    from tiny_tokenizer import write_tiny_clip_tokenizer
+
+    from sdiree.runtime.tokenizer import ClipTokenizer
+
+    write_tiny_clip_tokenizer(tmp_path, seed=0)
+    pad_vocabulary(tmp_path)
+    vocab = json.loads((tmp_path / "vocab.json").read_text())
+    assert len(vocab) == CLIP_VOCAB_SIZE == len(set(vocab.values()))
+    assert vocab["<|startoftext|>"] == 49406 and vocab["<|endoftext|>"] == 49407
+    ids = ClipTokenizer.from_dir(tmp_path).encode("a lighthouse at dusk").ids
+    assert ids[0] == 49406 and 49407 in ids and max(ids) == 49407
