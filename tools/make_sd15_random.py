@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from make_tiny_sd import SD15_SCHEDULER_CONFIG  # noqa: E402
+from make_tiny_sd import save_sd_pipeline  # noqa: E402
 from tiny_tokenizer import BOS, EOS, write_tiny_clip_tokenizer  # noqa: E402
 
 CLIP_VOCAB_SIZE = 49408
@@ -116,8 +116,6 @@ def make_sd15_random(out_dir: Path, seed: int = 0) -> Path:
     import torch
     from diffusers import (
         AutoencoderKL,
-        PNDMScheduler,
-        StableDiffusionPipeline,
         UNet2DConditionModel,
     )
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
@@ -139,21 +137,9 @@ def make_sd15_random(out_dir: Path, seed: int = 0) -> Path:
         unet = UNet2DConditionModel(**SD15_UNET_CONFIG)
         torch.manual_seed(seed + 2)
         vae = AutoencoderKL(**SD15_VAE_CONFIG)
-    pipe = StableDiffusionPipeline(
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        unet=unet,
-        scheduler=PNDMScheduler.from_config(SD15_SCHEDULER_CONFIG),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
+    return save_sd_pipeline(
+        out_dir, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet
     )
-    pipe.save_pretrained(out_dir, safe_serialization=True)
-    sched_path = out_dir / "scheduler" / "scheduler_config.json"
-    saved = json.loads(sched_path.read_text())
-    sched_path.write_text(json.dumps({**saved, **SD15_SCHEDULER_CONFIG}, indent=2) + "\n")
-    return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,15 +35,32 @@ SD15_SCHEDULER_CONFIG = {
 }
 
 
+def save_sd_pipeline(out_dir: Path, *, vae, text_encoder, tokenizer, unet) -> Path:
+    """Assemble an SD 1.x StableDiffusionPipeline with SD 1.5's scheduler and save it."""
+    from diffusers import PNDMScheduler, StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=PNDMScheduler.from_config(SD15_SCHEDULER_CONFIG),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(out_dir, safe_serialization=True)
+    # Keep SD 1.5's scheduler file as it is on the hub, keys PNDM ignores (clip_sample) included.
+    sched_path = Path(out_dir) / "scheduler" / "scheduler_config.json"
+    saved = json.loads(sched_path.read_text())
+    sched_path.write_text(json.dumps({**saved, **SD15_SCHEDULER_CONFIG}, indent=2) + "\n")
+    return Path(out_dir)
+
+
 def make_tiny_sd(out_dir: Path, seed: int = 0, size: int = 64) -> Path:
     """Build the tiny pipeline and save it to out_dir; returns out_dir."""
     import torch
-    from diffusers import (
-        AutoencoderKL,
-        PNDMScheduler,
-        StableDiffusionPipeline,
-        UNet2DConditionModel,
-    )
+    from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
     out_dir = Path(out_dir)
@@ -90,23 +107,9 @@ def make_tiny_sd(out_dir: Path, seed: int = 0, size: int = 64) -> Path:
         norm_num_groups=8,
         sample_size=size,
     )
-    scheduler = PNDMScheduler.from_config(SD15_SCHEDULER_CONFIG)
-    pipe = StableDiffusionPipeline(
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        unet=unet,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
+    return save_sd_pipeline(
+        out_dir, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet
     )
-    pipe.save_pretrained(out_dir, safe_serialization=True)
-    # Keep SD 1.5's scheduler file as it is on the hub, keys PNDM ignores (clip_sample) included.
-    sched_path = out_dir / "scheduler" / "scheduler_config.json"
-    saved = json.loads(sched_path.read_text())
-    sched_path.write_text(json.dumps({**saved, **SD15_SCHEDULER_CONFIG}, indent=2) + "\n")
-    return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:

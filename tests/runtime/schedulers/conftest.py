@@ -17,22 +17,12 @@ import pytest
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
+from make_tiny_sd import SD15_SCHEDULER_CONFIG  # noqa: E402  (tools/ is on sys.path)
+
 from sdiree.runtime.schedulers import Scheduler, create  # noqa: E402
 
-# runwayml/stable-diffusion-v1-5 scheduler/scheduler_config.json
-SD15 = {
-    "_class_name": "PNDMScheduler",
-    "beta_start": 0.00085,
-    "beta_end": 0.012,
-    "beta_schedule": "scaled_linear",
-    "num_train_timesteps": 1000,
-    "set_alpha_to_one": False,
-    "skip_prk_steps": True,
-    "steps_offset": 1,
-    "clip_sample": False,
-    "prediction_type": "epsilon",
-    "trained_betas": None,
-}
+# runwayml/stable-diffusion-v1-5 scheduler/scheduler_config.json (as the tiny model writes it)
+SD15 = {"_class_name": "PNDMScheduler", **SD15_SCHEDULER_CONFIG}
 
 # stabilityai/stable-diffusion-2-1 (768, v-prediction) scheduler/scheduler_config.json
 SD2 = {
