@@ -65,6 +65,7 @@ def test_changed_flag_or_spec_recompiles_only_what_it_touches(compiled, tmp_path
     assert "--iree-opt-strip-assertions=true" not in m.data["submodules"]["unet"]["flags"]
 
     # A tuning spec for the text encoder only, then a change to that spec.
+    (specs / "tuning").mkdir(exist_ok=True)
     shutil.copy(DATA / "noop_tuning_spec.mlir", specs / "tuning" / "test_te.mlir")
     reg["targets"]["cpu"]["tuning_specs"]["text_encoder"] = "tuning/test_te.mlir"
     (specs / "targets.json").write_text(json.dumps(reg))
