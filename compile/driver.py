@@ -300,7 +300,7 @@ def compile_model(opts: CompileOptions, reporter: Reporter | None = None) -> Pat
     plan = resolve(opts, r)
     b = Builder(plan, r)
     with r.stage("hash", "model"):
-        b.model_hash = plan.model.content_hash()
+        b.model_hash = plan.model.content_hash(plan.shared / ".model-hashes.json")
 
     plan.out.mkdir(parents=True, exist_ok=True)
     for d in (plan.out, plan.shared / "mlir"):

@@ -6,6 +6,7 @@ it fetched earlier.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sdiree.runtime.errors import UserError
+from sdiree.runtime.fileutil import atomic_write_json
 
 # Submodule folders an SD 1.x pipeline needs, and the model_index.json key of each.
 REQUIRED = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
@@ -40,12 +42,34 @@ class ModelSource:
         library, cls = self.index[component]
         return library, cls
 
-    def content_hash(self) -> str:
-        """sha256 over the relative path and bytes of every config and weight file."""
-        h = hashlib.sha256()
+    def content_hash(self, cache_path: Path | None = None) -> str:
+        """sha256 over the relative path and bytes of every config and weight file.
+
+        With cache_path, a hash is reused while every file keeps its size and mtime, so an
+        unchanged recompile does not read gigabytes of weights again.
+        """
         files = [self.path / "model_index.json"]
         for comp in self.components():
             files += sorted(p for p in (self.path / comp).rglob("*") if p.suffix in HASHED_SUFFIXES)
+        stamp = [
+            [str(p.relative_to(self.path)), p.stat().st_size, p.stat().st_mtime_ns] for p in files
+        ]
+        key = str(self.path.resolve())
+        cache = {}
+        if cache_path and cache_path.is_file():
+            with contextlib.suppress(OSError, json.JSONDecodeError):
+                cache = json.loads(cache_path.read_text())
+        if cache.get(key, {}).get("stamp") == stamp:
+            return cache[key]["sha256"]
+        digest = self._hash_files(files)
+        if cache_path:
+            cache[key] = {"stamp": stamp, "sha256": digest}
+            with contextlib.suppress(OSError):
+                atomic_write_json(cache_path, cache)
+        return digest
+
+    def _hash_files(self, files: list[Path]) -> str:
+        h = hashlib.sha256()
         for p in files:
             h.update(str(p.relative_to(self.path)).encode() + b"\0")
             with open(p, "rb") as f:
