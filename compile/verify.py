@@ -8,6 +8,7 @@ reference's range. The ratio must stay within TOLERANCE for the artifact's dtype
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import numpy as np
 from sdiree.runtime.device import find_device, list_devices
 from sdiree.runtime.errors import UserError
 from sdiree.runtime.manifest import Manifest, load_manifest
-from sdiree.runtime.session import Session
+from sdiree.runtime.session import with_fresh_device_on_loss
 
 from .quiet import quiet_libraries
 
@@ -146,8 +147,17 @@ def check_parity(
             raise UserError(f"no {driver} device here to verify {manifest.target} modules on")
         info = devices[0]
     subs = submodules or list(manifest.submodules)
-    session = Session(manifest, info, subs)
     reference = _torch_reference(model_dir, manifest)
+    return with_fresh_device_on_loss(
+        manifest,
+        info,
+        subs,
+        lambda session: _compare_all(session, manifest, subs, reference, seed),
+        warn=lambda msg: print(f"warning: {msg}", file=sys.stderr),
+    )
+
+
+def _compare_all(session, manifest, subs, reference, seed) -> list[ParityResult]:
     tol = TOLERANCE[manifest.dtype]
     results = []
     for sub in subs:

@@ -23,7 +23,7 @@ from .image_output import (
 )
 from .manifest import check_files, load_manifest
 from .pipeline import GenerationRequest, Text2Image, resolve_request
-from .session import Session
+from .session import with_fresh_device_on_loss
 
 HASH_CACHE = ".verified.json"
 
@@ -76,8 +76,13 @@ def generate_to_files(
         f"seed {req.seed}, {req.scheduler} {req.steps} steps, guidance {req.guidance_scale}, "
         f"{req.width}x{req.height}, {manifest.target}/{manifest.arch}/{manifest.dtype}"
     )
-    session = Session(manifest, info, Text2Image.SUBMODULES)
-    result = Text2Image(manifest, session).generate(req)
+    result = with_fresh_device_on_loss(
+        manifest,
+        info,
+        Text2Image.SUBMODULES,
+        lambda session: Text2Image(manifest, session).generate(req),
+        warn=lambda msg: say(f"warning: {msg}"),
+    )
     for w in result.warnings:
         say(f"warning: {w}")
     check_image(result.images)

@@ -7,13 +7,16 @@ the names, shapes and dtypes the manifest declares before the call.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import numpy as np
 
 from .device import DeviceInfo, create_device, to_host
 from .errors import UserError
 from .manifest import FunctionDecl, Manifest
+
+T = TypeVar("T")
 
 
 class Session:
@@ -66,3 +69,44 @@ class Session:
         if not isinstance(results, (list, tuple)):
             results = [results]
         return [to_host(self.device, r) for r in results]
+
+
+def is_device_lost(error: BaseException) -> bool:
+    return isinstance(error, RuntimeError) and "DEVICE_LOST" in str(error)
+
+
+def with_fresh_device_on_loss(
+    manifest: Manifest,
+    device_info: DeviceInfo,
+    submodules: Iterable[str],
+    work: Callable[[Session], T],
+    warn: Callable[[str], None],
+) -> T:
+    """Open a session and run `work` on it; if the device is lost, once more on a fresh device.
+
+    A lost device (VK_ERROR_DEVICE_LOST: a driver reset, a GPU hang, or lavapipe's rare loss
+    while loading parameters) poisons that device handle for good, but a newly created one
+    works. A second loss is reported as a one-line error.
+    """
+    submodules = tuple(submodules)
+    try:
+        return work(Session(manifest, device_info, submodules))
+    except RuntimeError as e:
+        if not is_device_lost(e):
+            raise
+        warn(
+            f"the {device_info.label} device was lost ({_first_line(e)}); retrying once on a fresh one"
+        )
+    try:
+        return work(Session(manifest, device_info, submodules))
+    except RuntimeError as e:
+        if not is_device_lost(e):
+            raise
+        raise UserError(
+            f"the {device_info.label} device ({device_info.name}) was lost twice "
+            f"({_first_line(e)}); check the driver (`sdiree devices`) or pick another --device"
+        ) from None
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__

@@ -9,6 +9,7 @@ images are compared by PSNR. Used by the tests and by hand:
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -67,7 +68,7 @@ def sdiree_images(artifact_dir, scheduler, steps, guidance, seed, prompt, negati
     from sdiree.runtime.image_output import to_uint8
     from sdiree.runtime.manifest import load_manifest
     from sdiree.runtime.pipeline import GenerationRequest, Text2Image, resolve_request
-    from sdiree.runtime.session import Session
+    from sdiree.runtime.session import with_fresh_device_on_loss
 
     manifest = load_manifest(artifact_dir)
     info, _ = choose_device(manifest, device)
@@ -75,8 +76,13 @@ def sdiree_images(artifact_dir, scheduler, steps, guidance, seed, prompt, negati
         manifest,
         GenerationRequest(prompt, negative, steps, guidance, scheduler, seed, n),
     )
-    session = Session(manifest, info, Text2Image.SUBMODULES)
-    result = Text2Image(manifest, session).generate(req, progress=None)
+    result = with_fresh_device_on_loss(
+        manifest,
+        info,
+        Text2Image.SUBMODULES,
+        lambda session: Text2Image(manifest, session).generate(req, progress=None),
+        warn=lambda msg: print(f"warning: {msg}", file=sys.stderr),
+    )
     return to_uint8(result.images), manifest
 
 

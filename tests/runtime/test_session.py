@@ -1,0 +1,67 @@
+"""Session: a lost device is retried once on a fresh device, then reported in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from sdiree.runtime import generate, session
+from sdiree.runtime.errors import UserError
+from sdiree.runtime.manifest import load_manifest
+
+LOST = (
+    "Error creating vm context with modules: c/runtime/src/iree/hal/drivers/vulkan/queue.c:6000: "
+    "DATA_LOSS; [vkWaitSemaphores] VK_ERROR_DEVICE_LOST; while invoking native function "
+    "hal.fence.await"
+)
+
+
+@pytest.fixture(scope="module")
+def cpu_art(compiled):
+    return compiled.get("cpu", "host", "fp32")
+
+
+def failing_session(monkeypatch, failures: int, message: str = LOST) -> list:
+    """Make the first `failures` Session() calls raise `message`; returns the opened sessions."""
+    real = session.Session
+    opened = []
+
+    def fake(*args, **kwargs):
+        if len(opened) < failures:
+            opened.append(None)
+            raise RuntimeError(message)
+        s = real(*args, **kwargs)
+        opened.append(s)
+        return s
+
+    monkeypatch.setattr(session, "Session", fake)
+    return opened
+
+
+def test_lost_device_is_retried_on_a_fresh_one(cpu_art, tmp_path, monkeypatch, capsys):
+    opened = failing_session(monkeypatch, failures=1)
+    out = tmp_path / "img.png"
+    paths = generate.generate_to_files(
+        artifact_dir=cpu_art, prompt="a cat", steps=2, seed=1, output=out
+    )
+    assert paths == [out] and out.is_file()
+    assert len(opened) == 2 and opened[1] is not None
+    err = capsys.readouterr().err
+    assert "warning: the local-task device was lost" in err and "retrying once" in err
+
+
+def test_second_loss_is_one_clear_error(cpu_art, tmp_path, monkeypatch):
+    failing_session(monkeypatch, failures=2)
+    out = tmp_path / "img.png"
+    with pytest.raises(UserError, match="was lost twice") as info:
+        generate.generate_to_files(artifact_dir=cpu_art, prompt="a cat", steps=2, output=out)
+    assert "\n" not in str(info.value) and "--device" in str(info.value)
+    assert not out.exists()
+
+
+def test_other_errors_are_not_retried(cpu_art, monkeypatch):
+    opened = failing_session(monkeypatch, failures=1, message="RESOURCE_EXHAUSTED; out of memory")
+    manifest = load_manifest(cpu_art)
+    info = generate.choose_device(manifest, None)[0]
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        session.with_fresh_device_on_loss(manifest, info, ["text_encoder"], lambda s: s, print)
+    assert len(opened) == 1
