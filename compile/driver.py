@@ -71,6 +71,12 @@ class Plan:
     configs: dict = field(default_factory=dict)
 
     @property
+    def export_dtype(self) -> str:
+        """The dtype the model is exported and its parameters saved in (shared across dtypes
+        that only compile differently, such as cpu bf16 over fp32)."""
+        return self.target.export_dtype(self.dtype)
+
+    @property
     def latent_hw(self) -> tuple[int, int]:
         f = self.vae_factor
         return self.height // f, self.width // f
@@ -148,7 +154,12 @@ def _check_writable(out: Path) -> None:
 def flags_for(plan: Plan, submodule: str) -> tuple[list[str], dict[str, str]]:
     """The full iree-compile flag list for a submodule, and {spec path: sha256} it uses."""
     t = plan.target
-    flags = [*t.flags, *t.arch(plan.arch).flags, *t.submodule_flags.get(submodule, ())]
+    flags = [
+        *t.flags,
+        *t.arch(plan.arch).flags,
+        *t.dtype_flags(plan.dtype),
+        *t.submodule_flags.get(submodule, ()),
+    ]
     specs = {}
     spec_rel = t.tuning_specs.get(submodule) or t.tuning_specs.get("*")
     if spec_rel:
@@ -186,7 +197,7 @@ class Builder:
             {
                 "model": self.model_hash,
                 "submodule": submodule,
-                "dtype": p.dtype,
+                "dtype": p.export_dtype,
                 "shape": [p.batch_size, p.height, p.width],
                 "export": self.export_options(),
                 "versions": self.versions,
@@ -198,7 +209,7 @@ class Builder:
 
     def params_path(self, scope: str) -> Path:
         p = self.plan
-        return p.shared / "params" / f"{self.model_hash[:16]}-{p.dtype}" / f"{scope}.irpa"
+        return p.shared / "params" / f"{self.model_hash[:16]}-{p.export_dtype}" / f"{scope}.irpa"
 
     # -- torch side, loaded only when something must be exported -------------------------
     def torch_model(self, component: str):

@@ -41,7 +41,9 @@ def compile_cmd(
     model_dir: Path = typer.Argument(..., help="diffusers model folder (holds model_index.json)"),
     target: str = typer.Option(..., "--target", "-t", help="cpu, vulkan-spirv, rocm or cuda"),
     arch: str = typer.Option(None, "--arch", help="chip preset of the target (see specs/)"),
-    dtype: str = typer.Option(None, "--dtype", help="fp32 or fp16 (default: per target)"),
+    dtype: str = typer.Option(
+        None, "--dtype", help="fp32, fp16, or bf16 on cpu (default: per target)"
+    ),
     height: int = typer.Option(None, "--height", help="image height (default: the model's)"),
     width: int = typer.Option(None, "--width", help="image width (default: the model's)"),
     batch_size: int = typer.Option(1, "--batch-size", "-b", help="images per prompt"),
@@ -134,7 +136,9 @@ def bench_cmd(
     model_dir: Path = typer.Argument(..., help="diffusers model folder (holds model_index.json)"),
     target: str = typer.Option(..., "--target", "-t", help="cpu, vulkan-spirv, rocm or cuda"),
     arch: str = typer.Option(None, "--arch", help="chip preset of the target (see specs/)"),
-    dtype: str = typer.Option(None, "--dtype", help="fp32 or fp16 (default: per target)"),
+    dtype: str = typer.Option(
+        None, "--dtype", help="fp32, fp16, or bf16 on cpu (default: per target)"
+    ),
     height: int = typer.Option(None, "--height", help="image height (default: the model's)"),
     width: int = typer.Option(None, "--width", help="image width (default: the model's)"),
     steps: int = typer.Option(20, "--steps", help="denoising steps of the whole-image figure"),

@@ -15,7 +15,7 @@ from pathlib import Path
 from .errors import UserError
 
 SCHEMA_VERSION = 1
-DTYPES = ("fp32", "fp16")
+DTYPES = ("fp32", "fp16", "bf16")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,15 @@ class Arch:
 
 
 @dataclass(frozen=True)
+class DtypeOption:
+    """A dtype computed differently from how it is stored: e.g. cpu bf16 keeps an fp32 model and
+    fp32 weights, and compiles its matmuls with bf16 inputs and fp32 accumulation."""
+
+    export_dtype: str  # dtype of the exported model, its inputs/outputs and parameter archives
+    flags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Target:
     name: str
     description: str
@@ -43,6 +52,15 @@ class Target:
     submodule_flags: dict[str, tuple[str, ...]]
     tuning_specs: dict[str, str]
     arches: dict[str, Arch] = field(default_factory=dict)
+    dtype_options: dict[str, DtypeOption] = field(default_factory=dict)
+
+    def export_dtype(self, dtype: str) -> str:
+        opt = self.dtype_options.get(dtype)
+        return opt.export_dtype if opt else dtype
+
+    def dtype_flags(self, dtype: str) -> tuple[str, ...]:
+        opt = self.dtype_options.get(dtype)
+        return opt.flags if opt else ()
 
     def arch(self, name: str) -> Arch:
         if name not in self.arches:
@@ -110,5 +128,9 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
             submodule_flags={k: tuple(v) for k, v in t.get("submodule_flags", {}).items()},
             tuning_specs=dict(t.get("tuning_specs", {})),
             arches=arches,
+            dtype_options={
+                d: DtypeOption(export_dtype=o["export_dtype"], flags=tuple(o.get("flags", ())))
+                for d, o in t.get("dtype_options", {}).items()
+            },
         )
     return Registry(specs_dir=specs_dir, targets=targets)

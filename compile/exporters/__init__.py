@@ -32,8 +32,10 @@ def plan_for(builder, submodule: str):
     from .vae import plan_vae_decoder, plan_vae_encoder
 
     p = builder.plan
-    dtype = TORCH_DTYPES[p.dtype]
-    attention = builder.export_options().get("attention", "sdpa")
+    dtype = TORCH_DTYPES[p.export_dtype]
+    options = builder.export_options()
+    attention = options.get("attention", "sdpa")
+    conv = options.get("conv", "native")
     model = builder.torch_model(COMPONENTS[submodule])
     te_cfg = p.configs["text_encoder"]
     max_length = te_cfg.get("max_position_embeddings", 77)
@@ -55,8 +57,14 @@ def plan_for(builder, submodule: str):
             text_dim=p.configs["unet"]["cross_attention_dim"],
             dtype=dtype,
             attention=attention,
+            conv=conv,
         )
     vae_plan = plan_vae_decoder if submodule == "vae_decoder" else plan_vae_encoder
     return vae_plan(
-        model, batch=p.batch_size, image_hw=(p.height, p.width), dtype=dtype, attention=attention
+        model,
+        batch=p.batch_size,
+        image_hw=(p.height, p.width),
+        dtype=dtype,
+        attention=attention,
+        conv=conv,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .base import ExportPlan, FunctionSpec, TensorSpec
+from .conv_matmul import CONV_CHOICES, convs_as_matmuls
 
 
 class UNetEntry(torch.nn.Module):
@@ -28,6 +29,13 @@ def set_unet_attention(unet: torch.nn.Module, attention: str) -> None:
     unet.set_attn_processor(AttnProcessor() if attention == "decomposed" else AttnProcessor2_0())
 
 
+def set_conv_lowering(model: torch.nn.Module, conv: str) -> None:
+    if conv not in CONV_CHOICES:
+        raise ValueError(f"export conv choice must be one of {CONV_CHOICES}, not {conv!r}")
+    if conv != "native":
+        convs_as_matmuls(model, winograd=conv == "winograd")
+
+
 def plan_unet(
     unet: torch.nn.Module,
     *,
@@ -37,8 +45,10 @@ def plan_unet(
     text_dim: int,
     dtype: torch.dtype,
     attention: str,
+    conv: str = "native",
 ) -> ExportPlan:
     set_unet_attention(unet, attention)
+    set_conv_lowering(unet, conv)
     unet = unet.to(dtype).eval()
     entry = UNetEntry(unet)
     dt = {torch.float32: "float32", torch.float16: "float16"}[dtype]
@@ -70,5 +80,5 @@ def plan_unet(
         root=entry,
         params_module=unet,
         functions=[spec(denoise_cfg, 2 * batch), spec(denoise, batch)],
-        options={"attention": attention},
+        options={"attention": attention, "conv": conv},
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .base import ExportPlan, FunctionSpec, TensorSpec
-from .unet import set_unet_attention
+from .unet import set_conv_lowering, set_unet_attention
 
 SCOPE = "vae"
 
@@ -36,9 +36,10 @@ class VaeEncodeEntry(torch.nn.Module):
 
 
 def _plan(
-    vae, *, submodule, entry_cls, fname, in_name, out_name, batch, image_hw, dtype, attention
+    vae, *, submodule, entry_cls, fname, in_name, out_name, batch, image_hw, dtype, attention, conv
 ):
     set_unet_attention(vae, attention)
+    set_conv_lowering(vae, conv)
     vae = vae.to(dtype).eval()
     dt = {torch.float32: "float32", torch.float16: "float16"}[dtype]
     h, w = image_hw
@@ -64,21 +65,21 @@ def _plan(
                 fn=entry,
             )
         ],
-        options={"attention": attention},
+        options={"attention": attention, "conv": conv},
     )
 
 
-def plan_vae_decoder(vae, *, batch, image_hw, dtype, attention) -> ExportPlan:
+def plan_vae_decoder(vae, *, batch, image_hw, dtype, attention, conv="native") -> ExportPlan:
     return _plan(
         vae, submodule="vae_decoder", entry_cls=VaeDecodeEntry, fname="decode",
         in_name="latents", out_name="image",
-        batch=batch, image_hw=image_hw, dtype=dtype, attention=attention,
+        batch=batch, image_hw=image_hw, dtype=dtype, attention=attention, conv=conv,
     )  # fmt: skip
 
 
-def plan_vae_encoder(vae, *, batch, image_hw, dtype, attention) -> ExportPlan:
+def plan_vae_encoder(vae, *, batch, image_hw, dtype, attention, conv="native") -> ExportPlan:
     return _plan(
         vae, submodule="vae_encoder", entry_cls=VaeEncodeEntry, fname="encode",
         in_name="image", out_name="latent_mean",
-        batch=batch, image_hw=image_hw, dtype=dtype, attention=attention,
+        batch=batch, image_hw=image_hw, dtype=dtype, attention=attention, conv=conv,
     )  # fmt: skip

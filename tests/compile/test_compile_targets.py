@@ -52,6 +52,7 @@ def assert_manifest_complete(out, target, arch, dtype):
         ("cpu", "host", "fp32"),
         ("vulkan-spirv", "lavapipe", "fp32"),
         ("cpu", "host", "fp16"),
+        ("cpu", "host", "bf16"),
     ],
 )
 def test_compiled_modules_match_torch(compiled, target, arch, dtype):
@@ -119,3 +120,12 @@ def test_wrong_arch_is_recorded_for_runtime(compiled):
     m = load_manifest(compiled.get("vulkan-spirv", "lavapipe", "fp32"))
     assert m.arch == "lavapipe" and m.data["target"]["arch_cpu_emulated"] is True
     assert np.dtype(m.submodules["unet"].functions["denoise"].inputs[0].dtype) == np.float32
+
+
+def test_cpu_bf16_shares_the_fp32_export_and_adds_its_flags(compiled):
+    fp32 = load_manifest(compiled.get("cpu", "host", "fp32"))
+    bf16 = load_manifest(compiled.get("cpu", "host", "bf16"))
+    for name, sub in bf16.data["submodules"].items():
+        assert sub["parameters"] == fp32.data["submodules"][name]["parameters"]
+        assert "--iree-global-opt-demote-contraction-inputs-type=bf16" in sub["flags"]
+        assert not any("demote" in f for f in fp32.data["submodules"][name]["flags"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
@@ -56,3 +57,18 @@ def test_threshold_catches_real_mistakes(compiled):
     wrong_guidance, _ = sdiree_images(art, "euler", 20, 3.0, 42, PROMPT, "", 1)
     for bad in (wrong_seed, wrong_prompt, wrong_guidance):
         assert psnr(bad, ref) < 35.0
+
+
+def test_cpu_bf16_image_close_to_fp32(compiled):
+    """bf16 (matmul inputs in bf16, fp32 accumulation) must stay within 30 dB of the fp32 image,
+    and must really differ from it (the demotion flags took effect)."""
+    fp32, _ = sdiree_images(
+        compiled.get("cpu", "host", "fp32"), "euler", 20, 7.5, 42, PROMPT, "", 1
+    )
+    bf16, manifest = sdiree_images(
+        compiled.get("cpu", "host", "bf16"), "euler", 20, 7.5, 42, PROMPT, "", 1
+    )
+    assert manifest.dtype == "bf16"
+    assert manifest.submodules["unet"].functions["denoise_cfg"].inputs[0].dtype == "float32"
+    assert psnr(bf16, fp32) >= 30.0
+    assert not np.array_equal(bf16, fp32)

@@ -1,4 +1,4 @@
-"""Every target × arch preset in specs/targets.json is accepted by iree-compile 3.13.
+"""Every target × arch × dtype preset in specs/targets.json is accepted by iree-compile 3.13.
 
 Unknown flags stop the compile, so a typo in the registry shows up here on a trivial module
 rather than minutes into a real compile.
@@ -24,7 +24,7 @@ func.func @main(%a: tensor<4x8xf32>, %b: tensor<8x16xf32>) -> tensor<4x16xf32> {
 """
 
 REGISTRY = load_registry()
-PRESETS = [(t.name, a) for t in REGISTRY.targets.values() for a in t.arches]
+PRESETS = [(t.name, a, d) for t in REGISTRY.targets.values() for a in t.arches for d in t.dtypes]
 
 
 def test_required_presets_exist():
@@ -38,10 +38,13 @@ def test_required_presets_exist():
     assert REGISTRY.target("vulkan-spirv").export["attention"] == "decomposed"
     assert REGISTRY.target("cpu").export["attention"] == "decomposed"
     assert all(REGISTRY.target(t).export["attention"] == "sdpa" for t in ("rocm", "cuda"))
+    # cpu: convolutions exported as matmuls, which llvm-cpu data-tiles (tools/PERFORMANCE.md)
+    assert REGISTRY.target("cpu").export["conv"] in ("matmul", "winograd")
+    assert REGISTRY.target("cpu").export_dtype("bf16") == "fp32"
 
 
-@pytest.mark.parametrize("target,arch", PRESETS)
-def test_preset_flags_compile(tmp_path, target, arch):
+@pytest.mark.parametrize("target,arch,dtype", PRESETS)
+def test_preset_flags_compile(tmp_path, target, arch, dtype):
     from sdiree.compile.iree_compile import iree_compile_tool
 
     t = REGISTRY.target(target)
@@ -55,6 +58,7 @@ def test_preset_flags_compile(tmp_path, target, arch):
             str(tmp_path / "m.vmfb"),
             *t.flags,
             *t.arch(arch).flags,
+            *t.dtype_flags(dtype),
         ],
         capture_output=True,
         text=True,

@@ -1,0 +1,94 @@
+"""conv `matmul` and `winograd` export choices compute what Conv2d computes."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sdiree.compile.exporters.conv_matmul import (  # noqa: E402
+    conv2d_as_matmul,
+    conv2d_winograd,
+    convs_as_matmuls,
+    winograd_applies,
+)
+
+
+@pytest.mark.parametrize(
+    "cin,cout,kernel,stride,padding,bias",
+    [
+        (8, 16, 3, 1, 1, True),  # resnet conv
+        (8, 8, 3, 2, 1, True),  # downsampler
+        (8, 12, 1, 1, 0, True),  # 1x1 shortcut / proj
+        (4, 8, 3, 1, 1, False),
+        (3, 5, (3, 1), (2, 1), (1, 0), True),  # rectangular kernel, stride and padding
+        (6, 6, 3, 2, 0, True),  # no padding, odd output size
+    ],
+)
+def test_matches_conv2d(cin, cout, kernel, stride, padding, bias):
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(cin, cout, kernel, stride=stride, padding=padding, bias=bias)
+    x = torch.randn(2, cin, 11, 9)
+    ref = conv(x)
+    got = conv2d_as_matmul(conv, x)
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [2, 4])
+@pytest.mark.parametrize(
+    "cin,cout,h,w,stride,applies",
+    [
+        (8, 16, 12, 8, 1, True),
+        (64, 64, 16, 16, 1, True),
+        (8, 16, 10, 6, 1, None),  # 10x6: F(2x2) applies, F(4x4) falls back to im2col
+        (8, 8, 12, 12, 2, False),  # stride 2: im2col
+    ],
+)
+def test_winograd_matches_conv2d(m, cin, cout, h, w, stride, applies):
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(cin, cout, 3, stride=stride, padding=1)
+    x = torch.randn(2, cin, h, w)
+    expected = (m == 2) if applies is None else applies
+    assert winograd_applies(conv, x, m) == expected
+    with torch.no_grad():
+        ref = conv(x)
+        got = conv2d_winograd(conv, x, m)
+    assert got.shape == ref.shape
+    # F(4x4,3x3)'s transforms (1/24, 8, ...) round more than F(2x2,3x3)'s
+    rel = (got - ref).abs().max() / ref.abs().max()
+    assert rel < (2e-6 if m == 2 else 3e-5), rel
+
+
+@pytest.mark.parametrize("winograd", [False, True], ids=["matmul", "winograd"])
+def test_rewrites_a_unet_without_changing_outputs_or_parameter_names(winograd):
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        sample_size=8,
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=16,
+        norm_num_groups=8,
+        attention_head_dim=4,
+    ).eval()
+    names = list(unet.state_dict())
+    x, t, e = torch.randn(2, 4, 8, 8), torch.tensor(10.0), torch.randn(2, 5, 16)
+    with torch.no_grad():
+        ref = unet(x, t, e).sample
+        count = convs_as_matmuls(unet, winograd=winograd)
+        got = unet(x, t, e).sample
+    n_convs = sum(isinstance(m, torch.nn.Conv2d) for m in unet.modules())
+    assert count == n_convs > 0
+    assert list(unet.state_dict()) == names
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    assert all("forward" in vars(m) for m in unet.modules() if isinstance(m, torch.nn.Conv2d))
+
+
+def test_grouped_convolutions_are_left_alone():
+    conv = torch.nn.Conv2d(4, 4, 3, padding=1, groups=2)
+    assert convs_as_matmuls(torch.nn.Sequential(conv)) == 0
+    assert "forward" not in vars(conv)
