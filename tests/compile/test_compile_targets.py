@@ -111,9 +111,15 @@ def test_export_choice_differs_by_target(compiled):
     assert cpu16["target"]["export"]["attention"] == "decomposed"
     assert cuda16["target"]["export"]["attention"] == "sdpa"
     assert cpu16["submodules"]["unet"]["mlir"] != cuda16["submodules"]["unet"]["mlir"]
-    # the same export choices share one exported MLIR across targets
+    # cpu exports its convolutions as Winograd/im2col matmuls, vulkan keeps Conv2d
     cpu32, vk32 = manifest("cpu", "host", "fp32"), manifest("vulkan-spirv", "lavapipe", "fp32")
-    assert cpu32["submodules"]["unet"]["mlir"] == vk32["submodules"]["unet"]["mlir"]
+    assert cpu32["target"]["export"]["conv"] == "winograd"
+    assert vk32["target"]["export"].get("conv", "native") == "native"
+    assert cpu32["submodules"]["unet"]["mlir"] != vk32["submodules"]["unet"]["mlir"]
+    # the same export choices and export dtype share one exported MLIR (cpu bf16 over fp32)
+    bf16 = manifest("cpu", "host", "bf16")
+    for sub in ("text_encoder", "unet", "vae_decoder"):
+        assert cpu32["submodules"][sub]["mlir"] == bf16["submodules"][sub]["mlir"]
 
 
 def test_wrong_arch_is_recorded_for_runtime(compiled):
