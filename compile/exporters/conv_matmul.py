@@ -1,11 +1,13 @@
-"""Export choice `conv: "matmul"`: every Conv2d traced as channels-last im2col + one 2-D matmul.
+"""Export choices `conv: "matmul"` and `"winograd"`: every Conv2d traced as plain matmuls.
 
 IREE's llvm-cpu backend data-tiles plain matmuls onto its mmt4d ukernels (~2x the throughput of
 its direct NCHW convolutions on this kind of CPU), but it does not data-tile convolutions, nor
 the batched matmul-like ops its own im2col rewrite produces. So for cpu the exporter states each
-convolution as the matmul it is: NCHW → NHWC, the KH×KW shifted windows concatenated along
-channels, [N·OH·OW, KH·KW·C] @ [KH·KW·C, O], back to NCHW. The weight keeps its parameter name;
-its reshape is a function of a parameter only, which IREE hoists out of the call.
+convolution as matmuls itself: "matmul" is channels-last im2col, [N·OH·OW, KH·KW·C] @
+[KH·KW·C, O]; "winograd" turns 3x3 stride-1 convolutions into Winograd F(2x2,3x3) (16 batched
+matmuls over 2x2 output tiles, 2.25x fewer multiplies) and the rest into im2col. Weights keep
+their parameter names; their reshapes and transforms depend on parameters only, which IREE
+hoists to load time.
 """
 
 from __future__ import annotations
