@@ -146,3 +146,11 @@ def convs_as_matmuls(model: torch.nn.Module, winograd: bool = False) -> int:
             m.forward = types.MethodType(forward, m)
             count += 1
     return count
+
+
+def set_conv_lowering(model: torch.nn.Module, conv: str) -> None:
+    """Apply the target's `export.conv` choice to every Conv2d of model."""
+    if conv not in CONV_CHOICES:
+        raise ValueError(f"export conv choice must be one of {CONV_CHOICES}, not {conv!r}")
+    if conv != "native":
+        convs_as_matmuls(model, winograd=conv == "winograd")

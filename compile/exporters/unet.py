@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import ExportPlan, FunctionSpec, TensorSpec
-from .conv_matmul import CONV_CHOICES, convs_as_matmuls
+from .base import NUMPY_DTYPE_NAMES, ExportPlan, FunctionSpec, TensorSpec
+from .conv_matmul import set_conv_lowering
 
 
 class UNetEntry(torch.nn.Module):
@@ -29,13 +29,6 @@ def set_unet_attention(unet: torch.nn.Module, attention: str) -> None:
     unet.set_attn_processor(AttnProcessor() if attention == "decomposed" else AttnProcessor2_0())
 
 
-def set_conv_lowering(model: torch.nn.Module, conv: str) -> None:
-    if conv not in CONV_CHOICES:
-        raise ValueError(f"export conv choice must be one of {CONV_CHOICES}, not {conv!r}")
-    if conv != "native":
-        convs_as_matmuls(model, winograd=conv == "winograd")
-
-
 def plan_unet(
     unet: torch.nn.Module,
     *,
@@ -51,7 +44,7 @@ def plan_unet(
     set_conv_lowering(unet, conv)
     unet = unet.to(dtype).eval()
     entry = UNetEntry(unet)
-    dt = {torch.float32: "float32", torch.float16: "float16"}[dtype]
+    dt = NUMPY_DTYPE_NAMES[dtype]
     channels = unet.config.in_channels
     out_channels = unet.config.out_channels
     h, w = latent_hw

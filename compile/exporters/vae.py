@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import ExportPlan, FunctionSpec, TensorSpec
-from .unet import set_conv_lowering, set_unet_attention
+from .base import NUMPY_DTYPE_NAMES, ExportPlan, FunctionSpec, TensorSpec
+from .conv_matmul import set_conv_lowering
+from .unet import set_unet_attention
 
 SCOPE = "vae"
 
@@ -41,7 +42,7 @@ def _plan(
     set_unet_attention(vae, attention)
     set_conv_lowering(vae, conv)
     vae = vae.to(dtype).eval()
-    dt = {torch.float32: "float32", torch.float16: "float16"}[dtype]
+    dt = NUMPY_DTYPE_NAMES[dtype]
     h, w = image_hw
     f = 2 ** (len(vae.config.block_out_channels) - 1)
     latent = (batch, vae.config.latent_channels, h // f, w // f)
