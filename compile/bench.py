@@ -39,7 +39,8 @@ Method:
   output's scale and their ratio; for the image, max abs difference in 8-bit levels and PSNR.
 - torch side: eager mode with SDPA attention (AttnProcessor2_0, ``sdpa`` for the text
   encoder), in the artifact's dtype, on the artifact's device (cpu → cpu; cuda and rocm →
-  torch's cuda device; vulkan-spirv → cpu, as torch has no Vulkan backend);
+  torch's cuda device; vulkan-spirv → cpu, as torch has no Vulkan backend, unless
+  ``torch_device`` names cuda: what a user of an NVIDIA GPU would otherwise run);
   ``torch_compile`` wraps the UNet with ``torch.compile`` (its compile lands in the first run).
 """
 
@@ -98,6 +99,7 @@ class BenchOptions:
     warmup: int = 2
     json_path: Path | None = None
     torch_compile: bool = False
+    torch_device: str | None = None  # None: TORCH_DEVICE of the target
     out: Path | None = None
     device: str | None = None
     prompt: str = DEFAULT_PROMPT
@@ -542,10 +544,16 @@ def parity(figure: str, names: list[str], ours: Path, theirs: Path) -> dict:
                 "scale": scale,
                 "rel": max_abs / scale,
                 "psnr_db": psnr,
+                "non_finite": [
+                    side for side, v in (("sdiree", x), ("torch", y)) if not np.isfinite(v).all()
+                ],
             }
-    worst = max(outputs.values(), key=lambda o: o["max_abs"])
+    # NaN (a non-finite output) ranks worst.
+    worst = max(
+        outputs.values(), key=lambda o: math.inf if math.isnan(o["max_abs"]) else o["max_abs"]
+    )
     return {
-        "max_abs": max(o["max_abs"] for o in outputs.values()),
+        "max_abs": worst["max_abs"],
         "worst": worst,
         "outputs": outputs,
     }
@@ -596,6 +604,8 @@ def _validate(opts: BenchOptions) -> None:
         raise UserError(f"--steps {opts.steps}: the number of steps must be at least 1")
     if opts.target not in TORCH_DEVICE:
         raise UserError(f"unknown target '{opts.target}': choose one of {', '.join(TORCH_DEVICE)}")
+    if opts.torch_device not in (None, "cpu", "cuda"):
+        raise UserError(f"--torch-device {opts.torch_device}: choose cpu or cuda")
     if opts.json_path is not None and Path(opts.json_path).is_dir():
         raise UserError(f"--json {opts.json_path} is a directory; name a file")
 
@@ -664,7 +674,7 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
         "artifact_dir": str(art),
         "model_dir": str(Path(opts.model_dir).absolute()),
         "device": opts.device,
-        "torch_device": TORCH_DEVICE[manifest.target],
+        "torch_device": opts.torch_device or TORCH_DEVICE[manifest.target],
         "torch_dtype": torch_dtype,
         "torch_compile": opts.torch_compile,
         "inputs": str(work / "inputs.npz"),
@@ -819,6 +829,8 @@ def _parity_cell(figure: str, p: dict) -> str:
     if figure == "image":
         psnr = w.get("psnr_db")
         return f"{w['max_abs']:.0f} levels, " + ("identical" if psnr is None else f"{psnr:.1f} dB")
+    if w.get("non_finite") or w["max_abs"] is None:
+        return f"non-finite output ({', '.join(w.get('non_finite') or ['?'])})"
     return f"{w['max_abs']:.3g} (rel {w['rel']:.2g})"
 
 

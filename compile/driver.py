@@ -100,9 +100,10 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
     else:
         target.arch(arch)
 
-    dtype = opts.dtype or target.default_dtype
-    if dtype not in target.dtypes:
-        raise UserError(f"dtype {dtype} is not available for {target.name}: use {target.dtypes}")
+    dtype = target.pick_dtype(arch, opts.dtype)
+    if opts.dtype is None and dtype != target.default_dtype:
+        why = target.refusals(arch)[target.default_dtype]
+        reporter.say(f"dtype: {dtype}, as {target.default_dtype} is refused for {arch} ({why})")
 
     vae_factor = 2 ** (len(configs["vae"]["block_out_channels"]) - 1)
     default_hw = configs["unet"]["sample_size"] * vae_factor

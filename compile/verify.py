@@ -173,3 +173,34 @@ def _compare_all(session, manifest, subs, reference, seed) -> list[ParityResult]
                     ParityResult(sub, fname, o.name, max_abs, scale, max_abs / scale, psnr, tol)
                 )
     return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m sdiree.compile.verify ARTIFACT_DIR [--model DIR] [--device D]`: exit 1 on a FAIL."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Parity of each compiled submodule against torch.")
+    ap.add_argument("artifact_dir", type=Path)
+    ap.add_argument("--model", type=Path, default=None, help="model folder (default: recorded)")
+    ap.add_argument("--device", "-d", default=None, help="device (default: the driver's first)")
+    ap.add_argument("--submodules", default=None, help="comma-separated (default: all)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    try:
+        results = check_parity(
+            a.artifact_dir,
+            a.model,
+            a.device,
+            a.submodules.split(",") if a.submodules else None,
+            a.seed,
+        )
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for r in results:
+        print(r.line())
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

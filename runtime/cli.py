@@ -146,6 +146,9 @@ def bench_cmd(
     warmup: int = typer.Option(2, "--warmup", help="untimed warm-up runs per figure"),
     json_path: Path = typer.Option(None, "--json", help="report (default: ARTIFACT/bench.json)"),
     torch_compile: bool = typer.Option(False, "--torch-compile", help="torch.compile the UNet"),
+    torch_device: str = typer.Option(
+        None, "--torch-device", help="torch's device: cpu or cuda (default: per target)"
+    ),
     out: Path = typer.Option(None, "--out", "-o", help="artifact directory (compiled or reused)"),
     device: str = typer.Option(None, "--device", "-d", help="sdiree device (as for `run`)"),
     prompt: str = typer.Option(None, "--prompt", "-p", help="prompt of the whole-image figure"),
@@ -171,6 +174,7 @@ def bench_cmd(
                 warmup=warmup,
                 json_path=json_path,
                 torch_compile=torch_compile,
+                torch_device=torch_device,
                 out=out,
                 device=device,
                 prompt=prompt or DEFAULT_PROMPT,

@@ -25,6 +25,7 @@ class Arch:
     flags: tuple[str, ...]
     device_match: tuple[str, ...] = ()
     cpu_emulated: bool = False
+    refused_dtypes: dict[str, str] = field(default_factory=dict)  # dtype -> why
 
     def matches_device(self, device_name: str) -> bool:
         return any(re.search(p, device_name, re.IGNORECASE) for p in self.device_match)
@@ -53,6 +54,33 @@ class Target:
     tuning_specs: dict[str, str]
     arches: dict[str, Arch] = field(default_factory=dict)
     dtype_options: dict[str, DtypeOption] = field(default_factory=dict)
+    refused_dtypes: dict[str, str] = field(default_factory=dict)  # dtype -> why, every arch
+
+    def refusals(self, arch: str) -> dict[str, str]:
+        """Dtypes that compile wrong or not at all for this arch, with the reason."""
+        return {**self.refused_dtypes, **self.arch(arch).refused_dtypes}
+
+    def usable_dtypes(self, arch: str) -> tuple[str, ...]:
+        refused = self.refusals(arch)
+        return tuple(d for d in self.dtypes if d not in refused)
+
+    def pick_dtype(self, arch: str, requested: str | None) -> str:
+        """The requested dtype, or the target's default (else the first usable one) for arch."""
+        refused = self.refusals(arch)
+        if requested is None:
+            if self.default_dtype not in refused:
+                return self.default_dtype
+            return self.usable_dtypes(arch)[0]
+        if requested in refused:
+            raise UserError(
+                f"--dtype {requested} is refused for {self.name}/{arch}: {refused[requested]}"
+            )
+        if requested not in self.dtypes:
+            raise UserError(
+                f"dtype {requested} is not available for {self.name}: use "
+                f"{', '.join(self.usable_dtypes(arch))}"
+            )
+        return requested
 
     def export_dtype(self, dtype: str) -> str:
         opt = self.dtype_options.get(dtype)
@@ -113,6 +141,7 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
                 flags=tuple(spec.get("flags", ())),
                 device_match=tuple(spec.get("device_match", ())),
                 cpu_emulated=bool(spec.get("cpu_emulated", False)),
+                refused_dtypes=dict(spec.get("refused_dtypes", {})),
             )
             for a, spec in t["arches"].items()
         }
@@ -132,5 +161,6 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
                 d: DtypeOption(export_dtype=o["export_dtype"], flags=tuple(o.get("flags", ())))
                 for d, o in t.get("dtype_options", {}).items()
             },
+            refused_dtypes=dict(t.get("refused_dtypes", {})),
         )
     return Registry(specs_dir=specs_dir, targets=targets)

@@ -5,7 +5,7 @@ the method and the figures taken. Needs the compile extra.
 
     python tools/bench.py MODEL_DIR --target cpu [--arch host] [--dtype fp32] \\
         [--height 512 --width 512] [--steps 20] [--runs 5] [--warmup 2] [--json PATH] \\
-        [--torch-compile] [--out ARTIFACT_DIR] [--specs DIR]
+        [--torch-compile] [--torch-device cuda] [--out ARTIFACT_DIR] [--specs DIR]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2, help="untimed warm-up runs per figure")
     ap.add_argument("--json", dest="json_path", type=Path, default=None, help="report file")
     ap.add_argument("--torch-compile", action="store_true", help="torch.compile the torch UNet")
+    ap.add_argument("--torch-device", default=None, help="torch's device: cpu or cuda")
     ap.add_argument("--out", "-o", type=Path, default=None, help="artifact directory")
     ap.add_argument("--device", "-d", default=None, help="sdiree device (as for `sdiree run`)")
     ap.add_argument("--prompt", "-p", default=None, help="prompt of the whole-image figure")
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                 warmup=a.warmup,
                 json_path=a.json_path,
                 torch_compile=a.torch_compile,
+                torch_device=a.torch_device,
                 out=a.out,
                 device=a.device,
                 prompt=a.prompt or DEFAULT_PROMPT,

@@ -13,9 +13,18 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
-from sdiree.compile.bench import FIGURES, SIDES, BenchOptions, run_bench
+from sdiree.compile.bench import (
+    FIGURES,
+    SIDES,
+    BenchOptions,
+    _finite,
+    _parity_cell,
+    parity,
+    run_bench,
+)
 
 STATS = ("median_s", "min_s", "max_s")
 
@@ -150,6 +159,30 @@ def test_cli_bench_bad_runs_is_one_line():
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "--runs 0" in lines[0]
+
+
+def test_cli_bench_bad_torch_device_is_one_line():
+    proc = sdiree("bench", "nowhere", "--target", "vulkan-spirv", "--torch-device", "mps")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--torch-device mps" in lines[0]
+
+
+def test_parity_names_the_side_with_a_non_finite_output(tmp_path):
+    # A miscompiled fp16 module (seen: cuda in iree 3.13) returns inf/NaN; the report must say
+    # so instead of failing to format it.
+    ref = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    bad = ref.copy()
+    bad[1, 2] = np.nan
+    np.savez(tmp_path / "ours.npz", bad, ref)
+    np.savez(tmp_path / "theirs.npz", ref, ref)
+    p = parity("unet", ["noise_pred", "other"], tmp_path / "ours.npz", tmp_path / "theirs.npz")
+    assert p["outputs"]["noise_pred"]["non_finite"] == ["sdiree"]
+    assert p["outputs"]["other"]["non_finite"] == [] and p["outputs"]["other"]["max_abs"] == 0
+    assert p["worst"] is p["outputs"]["noise_pred"]
+    assert _parity_cell("unet", _finite(p)) == "non-finite output (sdiree)"
+    assert _parity_cell("unet", _finite(parity("unet", ["o"], tmp_path / "theirs.npz",
+                                             tmp_path / "theirs.npz"))).startswith("0 (rel 0")  # fmt: skip
 
 
 def test_cli_bench_without_compile_extra_says_how_to_install():

@@ -98,3 +98,12 @@ def test_unknown_dtype(tiny_model, tmp_path):
         run_compile(tiny_model, "--target", "cpu", "--dtype", "int4", "--out", tmp_path / "o"),
         "dtype",
     )
+
+
+def test_refused_dtype_gives_the_reason(tiny_model, tmp_path):
+    # cuda fp16 compiles but iree 3.13 gets its numbers wrong (seen on an H100): refused.
+    out = tmp_path / "o"
+    proc = run_compile(tiny_model, "--target", "cuda", "--dtype", "fp16", "--out", out)
+    assert_clean_failure(proc, "--dtype fp16 is refused for cuda/sm_80")
+    assert "use --dtype fp32" in proc.stderr
+    assert not out.exists()

@@ -77,12 +77,15 @@ def test_vulkan_fp16_compiles_for_lavapipe(compiled):
     assert all(r.ok for r in results), [r.line() for r in results]
 
 
-@pytest.mark.parametrize("target,arch", [("rocm", "gfx942"), ("cuda", "sm_80")])
-def test_gpu_targets_compile_and_load(compiled, target, arch):
+# cuda's default is fp32: iree 3.13 miscompiles cuda fp16 (specs/targets.json refused_dtypes).
+@pytest.mark.parametrize(
+    "target,arch,dtype", [("rocm", "gfx942", "fp16"), ("cuda", "sm_80", "fp32")]
+)
+def test_gpu_targets_compile_and_load(compiled, target, arch, dtype):
     import iree.runtime as rt
 
-    out = compiled.get(target, arch, "fp16")
-    m = assert_manifest_complete(out, target, arch, "fp16")
+    out = compiled.get(target, arch, dtype)
+    m = assert_manifest_complete(out, target, arch, dtype)
     instance = rt.VmInstance()
     expected_format = {"rocm": b"rocm-hsaco-fb", "cuda": b"cuda-nvptx-fb"}[target]
     for name, sub in m.submodules.items():
@@ -107,10 +110,10 @@ def test_export_choice_differs_by_target(compiled):
     def manifest(target, arch, dtype):
         return json.loads((compiled.get(target, arch, dtype) / "manifest.json").read_text())
 
-    cpu16, cuda16 = manifest("cpu", "host", "fp16"), manifest("cuda", "sm_80", "fp16")
+    cpu16, rocm16 = manifest("cpu", "host", "fp16"), manifest("rocm", "gfx942", "fp16")
     assert cpu16["target"]["export"]["attention"] == "decomposed"
-    assert cuda16["target"]["export"]["attention"] == "sdpa"
-    assert cpu16["submodules"]["unet"]["mlir"] != cuda16["submodules"]["unet"]["mlir"]
+    assert rocm16["target"]["export"]["attention"] == "sdpa"
+    assert cpu16["submodules"]["unet"]["mlir"] != rocm16["submodules"]["unet"]["mlir"]
     # cpu exports its convolutions as Winograd/im2col matmuls, vulkan keeps Conv2d
     cpu32, vk32 = manifest("cpu", "host", "fp32"), manifest("vulkan-spirv", "lavapipe", "fp32")
     assert cpu32["target"]["export"]["conv"] == "winograd"
@@ -135,3 +138,20 @@ def test_cpu_bf16_shares_the_fp32_export_and_adds_its_flags(compiled):
         assert sub["parameters"] == fp32.data["submodules"][name]["parameters"]
         assert "--iree-global-opt-demote-contraction-inputs-type=bf16" in sub["flags"]
         assert not any("demote" in f for f in fp32.data["submodules"][name]["flags"])
+
+
+def test_default_dtype_falls_back_when_refused_and_says_why(tiny_model, tmp_path):
+    import io
+
+    from sdiree.compile.driver import CompileOptions, resolve
+    from sdiree.compile.report import Reporter
+
+    log = io.StringIO()
+    opts = CompileOptions(tiny_model, "vulkan-spirv", arch="ampere", out=tmp_path / "a")
+    plan = resolve(opts, Reporter(stream=log))
+    assert plan.dtype == "fp32"  # the target's fp16 default is refused for ampere
+    assert "dtype: fp32, as fp16 is refused for ampere" in log.getvalue()
+    plan = resolve(CompileOptions(tiny_model, "vulkan-spirv", arch="rdna2", out=tmp_path / "b"),
+                   Reporter(stream=io.StringIO()))  # fmt: skip
+    assert plan.dtype == "fp16"
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -24,7 +24,9 @@ func.func @main(%a: tensor<4x8xf32>, %b: tensor<8x16xf32>) -> tensor<4x16xf32> {
 """
 
 REGISTRY = load_registry()
-PRESETS = [(t.name, a, d) for t in REGISTRY.targets.values() for a in t.arches for d in t.dtypes]
+PRESETS = [
+    (t.name, a, d) for t in REGISTRY.targets.values() for a in t.arches for d in t.usable_dtypes(a)
+]
 
 
 def test_required_presets_exist():
@@ -41,6 +43,22 @@ def test_required_presets_exist():
     # cpu: convolutions exported as matmuls, which llvm-cpu data-tiles (tools/PERFORMANCE.md)
     assert REGISTRY.target("cpu").export["conv"] in ("matmul", "winograd")
     assert REGISTRY.target("cpu").export_dtype("bf16") == "fp32"
+
+
+def test_refused_dtypes_are_refused_with_their_reason_and_defaults_fall_back():
+    from sdiree.runtime.errors import UserError
+
+    cuda = REGISTRY.target("cuda")
+    assert "fp16" in cuda.refusals("sm_80") and "fp16" not in cuda.usable_dtypes("sm_80")
+    assert cuda.pick_dtype("sm_80", None) == "fp32"
+    with pytest.raises(UserError, match=r"refused for cuda/sm_80: iree 3\.13 miscompiles"):
+        cuda.pick_dtype("sm_80", "fp16")
+    with pytest.raises(UserError, match="not available"):
+        cuda.pick_dtype("sm_80", "bf16")
+    for t in REGISTRY.targets.values():
+        for a in t.arches:
+            assert t.pick_dtype(a, None) in t.usable_dtypes(a), (t.name, a)
+            assert all(d in t.dtypes for d in t.refusals(a)), "a refusal names a known dtype"
 
 
 @pytest.mark.parametrize("target,arch,dtype", PRESETS)
