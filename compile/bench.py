@@ -38,7 +38,7 @@ Method:
   ``verify.make_inputs`` and shared through a file) are compared: max abs difference, the
   output's scale and their ratio; for the image, max abs difference in 8-bit levels and PSNR.
 - torch side: eager mode with SDPA attention (AttnProcessor2_0, ``sdpa`` for the text
-  encoder), in the artifact's dtype, on the artifact's device (cpu → cpu; cuda and rocm →
+  encoder), in the artifact's dtype (or ``torch_dtype``), on the artifact's device (cpu → cpu; cuda and rocm →
   torch's cuda device; vulkan-spirv → cpu, as torch has no Vulkan backend, unless
   ``torch_device`` names cuda: what a user of an NVIDIA GPU would otherwise run);
   ``torch_compile`` wraps the UNet with ``torch.compile`` (its compile lands in the first run).
@@ -100,6 +100,7 @@ class BenchOptions:
     json_path: Path | None = None
     torch_compile: bool = False
     torch_device: str | None = None  # None: TORCH_DEVICE of the target
+    torch_dtype: str | None = None  # None: the artifact's dtype
     out: Path | None = None
     device: str | None = None
     prompt: str = DEFAULT_PROMPT
@@ -270,8 +271,9 @@ class TorchSide:
         sf = pipe.vae.config.scaling_factor
         x = dict(np.load(spec["inputs"]))
 
-        def t(name):
-            return torch.from_numpy(x[name]).to(device)
+        def t(name):  # float inputs in torch's dtype (it may differ from the artifact's)
+            a = torch.from_numpy(x[name]).to(device)
+            return a.to(dtype) if a.is_floating_point() else a
 
         def host(o):
             o = o.detach().cpu()
@@ -604,6 +606,8 @@ def _validate(opts: BenchOptions) -> None:
         raise UserError(f"--steps {opts.steps}: the number of steps must be at least 1")
     if opts.target not in TORCH_DEVICE:
         raise UserError(f"unknown target '{opts.target}': choose one of {', '.join(TORCH_DEVICE)}")
+    if opts.torch_dtype not in (None, *TORCH_DTYPE):
+        raise UserError(f"--torch-dtype {opts.torch_dtype}: choose {', '.join(TORCH_DTYPE)}")
     if opts.torch_device not in (None, "cpu", "cuda"):
         raise UserError(f"--torch-device {opts.torch_device}: choose cpu or cuda")
     if opts.json_path is not None and Path(opts.json_path).is_dir():
@@ -669,7 +673,7 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
     inputs.update({"unet.sample": sample, "unet.timestep": timestep})
     inputs["unet.encoder_hidden_states"] = text
     np.savez(work / "inputs.npz", **inputs)
-    torch_dtype = TORCH_DTYPE[manifest.dtype]
+    torch_dtype = TORCH_DTYPE[opts.torch_dtype or manifest.dtype]
     spec = {
         "artifact_dir": str(art),
         "model_dir": str(Path(opts.model_dir).absolute()),

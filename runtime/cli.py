@@ -149,6 +149,9 @@ def bench_cmd(
     torch_device: str = typer.Option(
         None, "--torch-device", help="torch's device: cpu or cuda (default: per target)"
     ),
+    torch_dtype: str = typer.Option(
+        None, "--torch-dtype", help="torch's dtype: fp32, fp16 or bf16 (default: the artifact's)"
+    ),
     out: Path = typer.Option(None, "--out", "-o", help="artifact directory (compiled or reused)"),
     device: str = typer.Option(None, "--device", "-d", help="sdiree device (as for `run`)"),
     prompt: str = typer.Option(None, "--prompt", "-p", help="prompt of the whole-image figure"),
@@ -175,6 +178,7 @@ def bench_cmd(
                 json_path=json_path,
                 torch_compile=torch_compile,
                 torch_device=torch_device,
+                torch_dtype=torch_dtype,
                 out=out,
                 device=device,
                 prompt=prompt or DEFAULT_PROMPT,

@@ -5,7 +5,7 @@ the method and the figures taken. Needs the compile extra.
 
     python tools/bench.py MODEL_DIR --target cpu [--arch host] [--dtype fp32] \\
         [--height 512 --width 512] [--steps 20] [--runs 5] [--warmup 2] [--json PATH] \\
-        [--torch-compile] [--torch-device cuda] [--out ARTIFACT_DIR] [--specs DIR]
+        [--torch-compile] [--torch-device cuda] [--torch-dtype fp16] [--out ARTIFACT_DIR] [--specs DIR]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", dest="json_path", type=Path, default=None, help="report file")
     ap.add_argument("--torch-compile", action="store_true", help="torch.compile the torch UNet")
     ap.add_argument("--torch-device", default=None, help="torch's device: cpu or cuda")
+    ap.add_argument("--torch-dtype", default=None, help="torch's dtype (default: artifact's)")
     ap.add_argument("--out", "-o", type=Path, default=None, help="artifact directory")
     ap.add_argument("--device", "-d", default=None, help="sdiree device (as for `sdiree run`)")
     ap.add_argument("--prompt", "-p", default=None, help="prompt of the whole-image figure")
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 json_path=a.json_path,
                 torch_compile=a.torch_compile,
                 torch_device=a.torch_device,
+                torch_dtype=a.torch_dtype,
                 out=a.out,
                 device=a.device,
                 prompt=a.prompt or DEFAULT_PROMPT,

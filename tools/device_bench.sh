@@ -4,7 +4,7 @@
 # transformers but no IREE, no diffusers and no network, so the packages travel with the
 # working tree, and the SD 1.5-size random model is made there.
 #
-# Prepare here, once (x86-64, cp312 wheels; .iree is git-ignored through .git/info/exclude):
+# Prepare here, once (x86-64, cp312 wheels; `printf '/.iree/\n/.gl/\n' >> .git/info/exclude`):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d W iree-base-compiler==3.13.0 iree-base-runtime==3.13.0 \
 #     iree-turbine==3.9.0 diffusers==0.42.1 decorator importlib_metadata
@@ -14,7 +14,8 @@
 # and the Vulkan loader debs into .gl/ as the device README says.
 #
 # On the device (carry [".iree", ".gl"]), each argument is one `sdiree bench` option string:
-#   bash tools/device_bench.sh "--target cuda --arch sm_80 --dtype fp16" ...
+#   bash tools/device_bench.sh "--target cuda --arch sm_80 --dtype fp32" \
+#       "--target vulkan-spirv --arch ampere --dtype fp32 --torch-device cuda" ...
 # Setup and the model are kept in /tmp while the machine stays warm; reports go to $OUT.
 source "$(dirname "$0")/device_env.sh"
 

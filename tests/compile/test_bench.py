@@ -154,6 +154,18 @@ def test_cli_bench(compiled, cpu_art, tmp_path):
     assert report["figures"]["unet"]["sdiree"]["peak_rss_later_mb"] is None  # only one run
 
 
+def test_cli_bench_torch_in_another_dtype(compiled, cpu_art, tmp_path):
+    # e.g. a cuda fp32 artifact against torch fp16: torch's inputs are cast to its dtype
+    path = tmp_path / "bf16.json"
+    proc = sdiree("bench", compiled.model, "--target", "cpu", "--out", cpu_art, "--runs", 1,
+                  "--warmup", 0, "--steps", 2, "--torch-dtype", "bf16", "--json", path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(path.read_text())
+    assert report["config"]["torch_dtype"] == "bfloat16" and report["config"]["dtype"] == "fp32"
+    unet = report["figures"]["unet"]["parity"]["worst"]
+    assert number(unet["rel"]) and 0 < unet["rel"] < 0.5, unet  # bf16 rounding, not garbage
+
+
 def test_cli_bench_bad_runs_is_one_line():
     proc = sdiree("bench", "nowhere", "--target", "cpu", "--runs", 0)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
@@ -166,6 +178,13 @@ def test_cli_bench_bad_torch_device_is_one_line():
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "--torch-device mps" in lines[0]
+
+
+def test_cli_bench_bad_torch_dtype_is_one_line():
+    proc = sdiree("bench", "nowhere", "--target", "cpu", "--torch-dtype", "int8")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--torch-dtype int8" in lines[0]
 
 
 def test_parity_names_the_side_with_a_non_finite_output(tmp_path):
