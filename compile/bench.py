@@ -33,7 +33,8 @@ Method:
   psutil sampling thread (1 ms) stands in (``memory_method`` in the JSON). Reported: RSS after
   imports, the peak while loading, RSS after loading, and per figure the peak of its first run
   and of its last run. On GPU targets the torch side also reports ``device_peak_mb``
-  (torch.cuda.max_memory_allocated); sdiree has no equivalent yet.
+  (torch.cuda.max_memory_allocated, reset before each run) and, on GPU drivers, sdiree the HAL
+  allocator's device-local high-water mark (not resettable: the peak up to that run).
 - Parity: the outputs of each side's last run of each figure on the same inputs (drawn once by
   ``verify.make_inputs`` and shared through a file) are compared: max abs difference, the
   output's scale and their ratio; for the image, max abs difference in 8-bit levels and PSNR.
@@ -227,7 +228,19 @@ class SdireeSide:
         self.info = {"device": f"{info.label} ({info.name})", "scheduler": req.scheduler}
 
     def after_run(self) -> dict:
-        return {}
+        if self.session.device_info.driver.startswith("local-"):
+            return {}  # the host's memory: in RSS already
+        peak = device_peak_mb(self.session.device)
+        return {} if peak is None else {"device_peak_mb": peak}
+
+
+def device_peak_mb(device) -> float | None:
+    """The HAL allocator's device-local high-water mark since the device was opened, in MiB
+    (IREE keeps no resettable peak, unlike torch.cuda); None where it keeps no statistics."""
+    allocator = device.allocator
+    if not allocator.has_statistics:
+        return None
+    return allocator.statistics["device_bytes_peak"] / 2**20
 
 
 class TorchSide:
@@ -754,9 +767,11 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
                 "peak_rss_later_mb": rs[-1]["peak_rss_mb"] if len(rs) > 1 else None,
                 "peak_rss_mb": [r["peak_rss_mb"] for r in rs],
             }
-            if "device_peak_mb" in rs[0]:
+            if "device_peak_mb" in rs[-1]:
                 entry[side]["device_peak_first_mb"] = rs[0]["device_peak_mb"]
-                entry[side]["device_peak_later_mb"] = rs[-1]["device_peak_mb"]
+                entry[side]["device_peak_later_mb"] = (
+                    rs[-1]["device_peak_mb"] if len(rs) > 1 else None
+                )
         entry["ratio"] = entry["sdiree"]["median_s"] / entry["torch"]["median_s"]
         entry["parity"] = parity(
             figure,
@@ -865,6 +880,22 @@ def markdown(report: dict) -> str:
             cells.append(f"{_mb(s['peak_rss_first_mb'])} / {_mb(s['peak_rss_later_mb'])}")
         cells.append(_parity_cell(figure, f["parity"]))
         lines.append("| " + " | ".join(cells) + " |")
+    device_rows = [
+        (report["figures"][f]["label"], [report["figures"][f][side] for side in SIDES])
+        for f in FIGURES
+    ]
+    if any("device_peak_first_mb" in s for _, sides in device_rows for s in sides):
+        lines += [
+            "",
+            "| figure | sdiree device peak MB, first / later | torch device peak MB, first / later |",
+            "| --- | ---: | ---: |",
+        ]
+        for label, sides in device_rows:
+            cells = [
+                f"{_mb(s.get('device_peak_first_mb'))} / {_mb(s.get('device_peak_later_mb'))}"
+                for s in sides
+            ]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "| side | import s | load s | RSS after imports MB | peak RSS while loading MB "

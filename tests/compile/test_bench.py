@@ -22,6 +22,8 @@ from sdiree.compile.bench import (
     BenchOptions,
     _finite,
     _parity_cell,
+    device_peak_mb,
+    markdown,
     parity,
     run_bench,
 )
@@ -236,3 +238,30 @@ def test_sd15_random_tokenizer_has_clip_ids(tmp_path):
     assert vocab["<|startoftext|>"] == 49406 and vocab["<|endoftext|>"] == 49407
     ids = ClipTokenizer.from_dir(tmp_path).encode("a lighthouse at dusk").ids
     assert ids[0] == 49406 and 49407 in ids and max(ids) == 49407
+
+
+def test_device_peak_is_the_allocators_high_water_mark():
+    import iree.runtime as rt
+
+    device = rt.get_device("local-task")
+    before = device_peak_mb(device)
+    assert before is not None and before >= 0
+    buf = device.allocator.allocate_buffer(
+        memory_type=rt.MemoryType.DEVICE_LOCAL,
+        allowed_usage=rt.BufferUsage.DEFAULT,
+        allocation_size=3 << 20,
+    )
+    assert device_peak_mb(device) >= before + 3
+    del buf
+
+
+def test_markdown_shows_device_peaks_when_a_side_has_them(bench):
+    report, out, _ = bench
+    assert "device peak" not in out  # cpu: memory is RSS only
+    gpu = json.loads(json.dumps(report))
+    for f in gpu["figures"].values():
+        f["sdiree"].update(device_peak_first_mb=2048.0, device_peak_later_mb=2100.0)
+        f["torch"].update(device_peak_first_mb=1500.0, device_peak_later_mb=None)
+    md = markdown(gpu)
+    assert "| figure | sdiree device peak MB, first / later |" in md
+    assert md.count("| 2,048 / 2,100 | 1,500 / – |") == len(FIGURES)
