@@ -39,9 +39,9 @@ Method:
   ``verify.make_inputs`` and shared through a file) are compared: max abs difference, the
   output's scale and their ratio; for the image, max abs difference in 8-bit levels and PSNR.
 - torch side: eager mode with SDPA attention (AttnProcessor2_0, ``sdpa`` for the text
-  encoder), in the artifact's dtype (or ``torch_dtype``), on the artifact's device (cpu → cpu; cuda and rocm →
-  torch's cuda device; vulkan-spirv → cpu, as torch has no Vulkan backend, unless
-  ``torch_device`` names cuda: what a user of an NVIDIA GPU would otherwise run);
+  encoder), in the artifact's dtype (or ``torch_dtype``), on the artifact's device (cpu → cpu;
+  cuda and rocm → torch's cuda device; vulkan-spirv → cpu, as torch has no Vulkan backend,
+  unless ``torch_device`` names cuda: what a user of an NVIDIA GPU would otherwise run);
   ``torch_compile`` wraps the UNet with ``torch.compile`` (its compile lands in the first run).
 """
 
@@ -228,7 +228,9 @@ class SdireeSide:
         self.info = {"device": f"{info.label} ({info.name})", "scheduler": req.scheduler}
 
     def after_run(self) -> dict:
-        if self.session.device_info.driver.startswith("local-"):
+        from sdiree.runtime.device import CPU_DRIVERS
+
+        if self.session.device_info.driver in CPU_DRIVERS:
             return {}  # the host's memory: in RSS already
         peak = device_peak_mb(self.session.device)
         return {} if peak is None else {"device_peak_mb": peak}
@@ -621,8 +623,9 @@ def _validate(opts: BenchOptions) -> None:
         raise UserError(f"unknown target '{opts.target}': choose one of {', '.join(TORCH_DEVICE)}")
     if opts.torch_dtype not in (None, *TORCH_DTYPE):
         raise UserError(f"--torch-dtype {opts.torch_dtype}: choose {', '.join(TORCH_DTYPE)}")
-    if opts.torch_device not in (None, "cpu", "cuda"):
-        raise UserError(f"--torch-device {opts.torch_device}: choose cpu or cuda")
+    torch_devices = sorted(set(TORCH_DEVICE.values()))
+    if opts.torch_device not in (None, *torch_devices):
+        raise UserError(f"--torch-device {opts.torch_device}: choose {' or '.join(torch_devices)}")
     if opts.json_path is not None and Path(opts.json_path).is_dir():
         raise UserError(f"--json {opts.json_path} is a directory; name a file")
 
@@ -880,22 +883,21 @@ def markdown(report: dict) -> str:
             cells.append(f"{_mb(s['peak_rss_first_mb'])} / {_mb(s['peak_rss_later_mb'])}")
         cells.append(_parity_cell(figure, f["parity"]))
         lines.append("| " + " | ".join(cells) + " |")
-    device_rows = [
-        (report["figures"][f]["label"], [report["figures"][f][side] for side in SIDES])
-        for f in FIGURES
-    ]
-    if any("device_peak_first_mb" in s for _, sides in device_rows for s in sides):
+    figs = [report["figures"][f] for f in FIGURES]
+    if any("device_peak_first_mb" in f[side] for f in figs for side in SIDES):
         lines += [
             "",
             "| figure | sdiree device peak MB, first / later | torch device peak MB, first / later |",
             "| --- | ---: | ---: |",
         ]
-        for label, sides in device_rows:
-            cells = [
-                f"{_mb(s.get('device_peak_first_mb'))} / {_mb(s.get('device_peak_later_mb'))}"
-                for s in sides
-            ]
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        for f in figs:
+            cells = [f["label"]]
+            for side in SIDES:
+                s = f[side]
+                cells.append(
+                    f"{_mb(s.get('device_peak_first_mb'))} / {_mb(s.get('device_peak_later_mb'))}"
+                )
+            lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
         "| side | import s | load s | RSS after imports MB | peak RSS while loading MB "

@@ -168,25 +168,20 @@ def test_cli_bench_torch_in_another_dtype(compiled, cpu_art, tmp_path):
     assert number(unet["rel"]) and 0 < unet["rel"] < 0.5, unet  # bf16 rounding, not garbage
 
 
-def test_cli_bench_bad_runs_is_one_line():
-    proc = sdiree("bench", "nowhere", "--target", "cpu", "--runs", 0)
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (("--target", "cpu", "--runs", 0), "--runs 0"),
+        (("--target", "vulkan-spirv", "--torch-device", "mps"), "--torch-device mps"),
+        (("--target", "cpu", "--torch-dtype", "int8"), "--torch-dtype int8"),
+    ],
+    ids=["runs", "torch-device", "torch-dtype"],
+)
+def test_cli_bench_bad_option_is_one_line(args, says):
+    proc = sdiree("bench", "nowhere", *args)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "--runs 0" in lines[0]
-
-
-def test_cli_bench_bad_torch_device_is_one_line():
-    proc = sdiree("bench", "nowhere", "--target", "vulkan-spirv", "--torch-device", "mps")
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "--torch-device mps" in lines[0]
-
-
-def test_cli_bench_bad_torch_dtype_is_one_line():
-    proc = sdiree("bench", "nowhere", "--target", "cpu", "--torch-dtype", "int8")
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "--torch-dtype int8" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0]
 
 
 def test_parity_names_the_side_with_a_non_finite_output(tmp_path):
