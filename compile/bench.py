@@ -502,7 +502,8 @@ def compile_times(reporter) -> dict:
     subs = {s: {"status": "reused", "seconds": 0.0, "stages": {}} for s in SUBMODULES}
     shared = {}
     for r in reporter.records:
-        sub = SUBMODULE_OF_ITEM.get(r.item, r.item)
+        base = r.item.split(".")[0]  # "unet.winograd2": the UNet's derived-weights archive
+        sub = SUBMODULE_OF_ITEM.get(base, base)
         entry = subs.get(sub)
         if entry is None:
             if r.status == "done":

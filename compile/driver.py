@@ -23,11 +23,13 @@ from sdiree.runtime.fileutil import (
     remove_stale_temps,
     sha256_file,
     sha256_json,
+    temp_path_for,
 )
 from sdiree.runtime.manifest import MANIFEST_NAME
 from sdiree.runtime.targets import Registry, Target, load_registry
 
 from . import arch_select
+from .exporters import EXPORTER_REVISION
 from .manifest_writer import build_manifest
 from .model_source import ModelSource, open_model
 from .quiet import quiet_libraries
@@ -201,6 +203,7 @@ class Builder:
                 "dtype": p.export_dtype,
                 "shape": [p.batch_size, p.height, p.width],
                 "export": self.export_options(),
+                "exporter_revision": EXPORTER_REVISION,
                 "versions": self.versions,
             }
         )
@@ -208,9 +211,12 @@ class Builder:
     def mlir_path(self, submodule: str) -> Path:
         return self.plan.shared / "mlir" / f"{submodule}-{self.export_key(submodule)[:16]}.mlirbc"
 
-    def params_path(self, scope: str) -> Path:
+    def params_path(self, scope: str, derived: str | None = None) -> Path:
+        """The shared archive of scope (the model's own weights), or with derived its archive of
+        weights computed at export (e.g. `unet.winograd2.irpa`)."""
         p = self.plan
-        return p.shared / "params" / f"{self.model_hash[:16]}-{p.export_dtype}" / f"{scope}.irpa"
+        name = f"{scope}.{derived}.irpa" if derived else f"{scope}.irpa"
+        return p.shared / "params" / f"{self.model_hash[:16]}-{p.export_dtype}" / name
 
     # -- torch side, loaded only when something must be exported -------------------------
     def torch_model(self, component: str):
@@ -240,7 +246,8 @@ class Builder:
         with self.r.stage("export", submodule):
             with atomic_path(path) as tmp:
                 export_to_mlir(xplan, tmp)
-            atomic_write_json(self.signature_path(submodule), xplan.signature_json())
+            sidecar = {"functions": xplan.signature_json(), "derived": xplan.derived}
+            atomic_write_json(self.signature_path(submodule), sidecar)
         return path
 
     def signature_path(self, submodule: str) -> Path:
@@ -248,61 +255,139 @@ class Builder:
 
     def export_signature(self, submodule: str) -> dict:
         """Entry functions of an exported submodule, saved beside its MLIR at export time."""
-        return json.loads(self.signature_path(submodule).read_text())
+        return json.loads(self.signature_path(submodule).read_text())["functions"]
 
-    def ensure_params(self, submodule: str) -> tuple[Path, str]:
+    def param_archives(self, submodule: str) -> list[Path]:
+        """The archives submodule's MLIR reads (scope `scope_for(submodule)`): the shared one,
+        then the one of weights derived at export, if its export made any."""
         from .exporters import scope_for
 
+        derived = json.loads(self.signature_path(submodule).read_text()).get("derived")
         scope = scope_for(submodule)
-        path = self.params_path(scope)
-        digest_path = path.with_suffix(".irpa.sha256")
-        if path.is_file() and digest_path.is_file():
-            self.r.reused("parameters", scope, "shared archive exists")
-            return path, digest_path.read_text().strip()
+        return [self.params_path(scope)] + ([self.params_path(scope, derived)] if derived else [])
+
+    @staticmethod
+    def digest_path(archive: Path) -> Path:
+        return archive.with_suffix(".irpa.sha256")
+
+    def params_digests(self, submodule: str) -> list[str]:
+        """The recorded sha256 of each of submodule's archives ("" where not written yet)."""
+        paths = [self.digest_path(a) for a in self.param_archives(submodule)]
+        return [d.read_text().strip() if d.is_file() else "" for d in paths]
+
+    def ensure_params(self, submodule: str) -> list[tuple[Path, str]]:
+        """Write whichever of submodule's archives are missing; [(path, sha256)] of all."""
         from .exporters.base import save_parameters
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        xplan = self.export_plan(submodule)
-        with self.r.stage("parameters", scope):
-            with atomic_path(path) as tmp:
-                save_parameters(xplan.params_module, tmp)
-            digest = sha256_file(path)
-            with atomic_path(digest_path) as tmp:
-                tmp.write_text(digest + "\n")
-        return path, digest
+        out = []
+        for i, path in enumerate(self.param_archives(submodule)):
+            digest_path = self.digest_path(path)
+            if path.is_file() and digest_path.is_file():
+                self.r.reused("parameters", path.stem, "shared archive exists")
+                out.append((path, digest_path.read_text().strip()))
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            xplan = self.export_plan(submodule)
+            with self.r.stage("parameters", path.stem):
+                with atomic_path(path) as tmp:
+                    save_parameters(xplan.params_module, tmp, derived=i > 0)
+                digest = sha256_file(path)
+                with atomic_path(digest_path) as tmp:
+                    tmp.write_text(digest + "\n")
+            out.append((path, digest))
+        return out
 
-    def ensure_vmfb(self, submodule: str, mlir: Path, state: dict) -> dict:
+    def compile_key(self, submodule: str, mlir: Path, params_shas: list[str]) -> str:
+        flags, specs = flags_for(self.plan, submodule)
+        key = {
+            "mlir": sha256_file(mlir),
+            "flags": flags,
+            "specs": specs,
+            "compiler": self.versions["iree-base-compiler"],
+        }
+        if self.plan.target.encode_parameters:
+            key["encoded_from"] = params_shas  # the encoded archive is computed from these
+        return sha256_json(key)
+
+    def ensure_vmfb(
+        self, submodule: str, mlir: Path, params: list[tuple[Path, str]], state: dict
+    ) -> dict:
         from .iree_compile import compile_mlir
 
         flags, specs = flags_for(self.plan, submodule)
-        key = sha256_json(
-            {
-                "mlir": sha256_file(mlir),
-                "flags": flags,
-                "specs": specs,
-                "compiler": self.versions["iree-base-compiler"],
-            }
-        )
-        vmfb = self.plan.out / f"{submodule}.vmfb"
+        key = self.compile_key(submodule, mlir, [sha for _, sha in params])
+        out = self.plan.out
+        vmfb = out / f"{submodule}.vmfb"
+        encoded = out / f"{submodule}.encoded.irpa"
         prev = state.get(submodule, {})
         if (
             prev.get("compile_key") == key
             and vmfb.is_file()
             and sha256_file(vmfb) == prev.get("vmfb_sha256")
+            and (not prev.get("encoded") or encoded.is_file())
         ):
             self.r.reused("compile", submodule)
             return prev
-        with self.r.stage("compile", submodule):
-            compile_mlir(mlir, vmfb, flags, self.plan.out / f"{submodule}.compile.log")
-        entry = {
-            "compile_key": key,
-            "vmfb_sha256": sha256_file(vmfb),
-            "flags": flags,
-            "tuning_specs": specs,
-        }
+        log = out / f"{submodule}.compile.log"
+        entry = {"compile_key": key, "flags": flags, "tuning_specs": specs}
+        if not self.plan.target.encode_parameters:
+            with self.r.stage("compile", submodule):
+                compile_mlir(mlir, vmfb, flags, log)
+        else:
+            archives = [path for path, _ in params]
+            entry["encoded"] = self.compile_encoded(submodule, mlir, archives, flags, log)
+        entry["vmfb_sha256"] = sha256_file(vmfb)
         state[submodule] = entry
         atomic_write_json(self.plan.out / BUILD_STATE, state)
         return entry
+
+    def compile_encoded(
+        self, submodule: str, mlir: Path, archives: list[Path], flags: list[str], log: Path
+    ) -> dict | None:
+        """Compile submodule with its weight transforms split into an encoder module, run that
+        once, and keep its output beside the vmfb (`<submodule>.encoded.irpa`). Returns the
+        archive's manifest entry, or None when there was nothing to precompute."""
+        from .exporters import scope_for
+        from .iree_compile import compile_mlir
+        from .param_encoder import encoder_flags, loads_with, run_encoder
+
+        out = self.plan.out
+        vmfb = out / f"{submodule}.vmfb"
+        encoded = out / f"{submodule}.encoded.irpa"
+        scope = f"{submodule}_encoded"
+        enc_mlir = temp_path_for(out / f"{submodule}.encoder.mlir")
+        enc_vmfb = temp_path_for(out / f"{submodule}.encoder.vmfb")
+        try:
+            with self.r.stage("compile", submodule):
+                compile_mlir(mlir, vmfb, [*flags, *encoder_flags(enc_mlir, scope)], log)
+            if not enc_mlir.is_file():
+                encoded.unlink(missing_ok=True)
+                return None
+            with self.r.stage("encode", submodule):
+                compile_mlir(enc_mlir, enc_vmfb, flags, log)
+                count = run_encoder(
+                    enc_vmfb,
+                    [(scope_for(submodule), a) for a in archives],
+                    scope,
+                    encoded,
+                    self.plan.target.driver,
+                )
+        finally:
+            enc_mlir.unlink(missing_ok=True)
+            enc_vmfb.unlink(missing_ok=True)
+        if count == 0:
+            encoded.unlink(missing_ok=True)
+            return None
+        # Weights derived at export usually reach the module only through the encoder; then the
+        # artifact does not need their archive at run time.
+        needed = [(scope_for(submodule), archives[0]), (scope, encoded)]
+        needs_derived = not loads_with(vmfb, needed, self.plan.target.driver)
+        return {
+            "path": encoded.name,
+            "scope": scope,
+            "sha256": sha256_file(encoded),
+            "needs_derived": needs_derived,
+        }
 
 
 def compile_model(opts: CompileOptions, reporter: Reporter | None = None) -> Path:
@@ -332,9 +417,9 @@ def compile_model(opts: CompileOptions, reporter: Reporter | None = None) -> Pat
     results = {}
     for sub in plan.submodules:
         mlir = b.ensure_mlir(sub)
-        params, params_sha = b.ensure_params(sub)
-        compiled = b.ensure_vmfb(sub, mlir, state)
-        results[sub] = {"mlir": mlir, "params": params, "params_sha256": params_sha, **compiled}
+        params = b.ensure_params(sub)
+        compiled = b.ensure_vmfb(sub, mlir, params, state)
+        results[sub] = {"mlir": mlir, "params": params, **compiled}
 
     runtime_files = _copy_runtime_files(plan, r)
     signatures = {sub: b.export_signature(sub) for sub in plan.submodules}
@@ -362,16 +447,7 @@ def _up_to_date(b: Builder, state: dict, manifest_path: Path) -> bool:
         mlir = b.mlir_path(sub)
         if not mlir.is_file() or not b.signature_path(sub).is_file():
             return False
-        flags, specs = flags_for(plan, sub)
-        key = sha256_json(
-            {
-                "mlir": sha256_file(mlir),
-                "flags": flags,
-                "specs": specs,
-                "compiler": b.versions["iree-base-compiler"],
-            }
-        )
-        if state.get(sub, {}).get("compile_key") != key:
+        if state.get(sub, {}).get("compile_key") != b.compile_key(sub, mlir, b.params_digests(sub)):
             return False
     for rel, digest in manifest.get("files", {}).items():
         p = (plan.out / rel).resolve()

@@ -23,13 +23,20 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
     submodules = {}
     for sub, res in results.items():
         vmfb_rel = _rel(out / f"{sub}.vmfb", out)
-        params_rel = _rel(res["params"], out)
         files[vmfb_rel] = res["vmfb_sha256"]
-        files[params_rel] = res["params_sha256"]
+        params, enc = res["params"], res.get("encoded")
+        if enc and not enc["needs_derived"]:
+            params = params[:1]  # the derived weights are all in the encoded archive
+        archives = [(_rel(path, out), sha, scope_for(sub)) for path, sha in params]
+        if enc:
+            archives.append((enc["path"], enc["sha256"], enc["scope"]))
+        for rel, sha, _ in archives:
+            files[rel] = sha
         submodules[sub] = {
             "vmfb": vmfb_rel,
-            "parameters": params_rel,
-            "scope": scope_for(sub),
+            "parameters": archives[0][0],
+            "scope": archives[0][2],
+            "extra_parameters": [{"path": rel, "scope": scope} for rel, _, scope in archives[1:]],
             "mlir": _rel(res["mlir"], out),
             "functions": signatures[sub],
             "flags": res["flags"],

@@ -16,7 +16,10 @@ from pathlib import Path
 from .errors import UserError
 from .fileutil import sha256_file
 
-SCHEMA_VERSION = 1
+# 2 added a submodule's `extra_parameters` ([{path, scope}]): archives loaded beside
+# `parameters` (weights derived at export, weights encoded at compile). Version 1 is still read.
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 
 
@@ -45,6 +48,12 @@ class SubmoduleDecl:
     parameters: str | None
     scope: str | None
     functions: dict[str, FunctionDecl]
+    extra_parameters: tuple[tuple[str, str], ...] = ()  # (path, scope)
+
+    def archives(self) -> list[tuple[str, str]]:
+        """(archive path relative to the artifact, parameter scope) for every archive it loads."""
+        main = [(self.parameters, self.scope)] if self.parameters else []
+        return main + list(self.extra_parameters)
 
 
 @dataclass
@@ -79,10 +88,10 @@ class Manifest:
 
 def parse_manifest(root: Path, data: dict) -> Manifest:
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_SCHEMA_VERSIONS:
         raise UserError(
-            f"{root / MANIFEST_NAME} has schema version {version!r}; this sdiree reads version "
-            f"{SCHEMA_VERSION}: recompile the model with this sdiree"
+            f"{root / MANIFEST_NAME} has schema version {version!r}; this sdiree reads versions "
+            f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}: recompile the model with this sdiree"
         )
     subs = {}
     try:
@@ -95,7 +104,14 @@ def parse_manifest(root: Path, data: dict) -> Manifest:
                 )
                 for fname, f in s["functions"].items()
             }
-            subs[name] = SubmoduleDecl(name, s["vmfb"], s.get("parameters"), s.get("scope"), fns)
+            subs[name] = SubmoduleDecl(
+                name,
+                s["vmfb"],
+                s.get("parameters"),
+                s.get("scope"),
+                fns,
+                tuple((e["path"], e["scope"]) for e in s.get("extra_parameters", ())),
+            )
         for key in ("target", "dtype", "image", "files"):
             data[key]  # noqa: B018  (presence check)
     except (KeyError, TypeError, AttributeError) as e:

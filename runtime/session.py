@@ -29,14 +29,14 @@ class Session:
         self.instance = rt.VmInstance()
         hal = rt.create_hal_module(self.instance, self.device)
         modules = [hal]
-        indices = {}  # one ParameterIndex per (file, scope)
+        indices = {}  # one ParameterIndex per scope, over every archive of that scope
+        loaded = set()
         for name in submodules:
-            sub = manifest.submodules[name]
-            if sub.parameters and (sub.parameters, sub.scope) not in indices:
-                idx = rt.ParameterIndex()
-                idx.load(str(manifest.path(sub.parameters)))
-                indices[(sub.parameters, sub.scope)] = idx
-        providers = [idx.create_provider(scope=scope) for (_, scope), idx in indices.items()]
+            for path, scope in manifest.submodules[name].archives():
+                if (path, scope) not in loaded:
+                    indices.setdefault(scope, rt.ParameterIndex()).load(str(manifest.path(path)))
+                    loaded.add((path, scope))
+        providers = [idx.create_provider(scope=scope) for scope, idx in indices.items()]
         if providers:
             modules.insert(0, rt.create_io_parameters_module(self.instance, *providers))
         self._vm_modules = {}

@@ -55,6 +55,8 @@ class Target:
     arches: dict[str, Arch] = field(default_factory=dict)
     dtype_options: dict[str, DtypeOption] = field(default_factory=dict)
     refused_dtypes: dict[str, str] = field(default_factory=dict)  # dtype -> why, every arch
+    # Precompute load-time weight transforms at compile (compile/param_encoder.py).
+    encode_parameters: bool = False
 
     def refusals(self, arch: str) -> dict[str, str]:
         """Dtypes that compile wrong or not at all for this arch, with the reason."""
@@ -162,5 +164,6 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
                 for d, o in t.get("dtype_options", {}).items()
             },
             refused_dtypes=dict(t.get("refused_dtypes", {})),
+            encode_parameters=bool(t.get("encode_parameters", False)),
         )
     return Registry(specs_dir=specs_dir, targets=targets)

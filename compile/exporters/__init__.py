@@ -6,6 +6,11 @@ compile; `scope_for` names the parameter scope (the VAE's two halves share one).
 
 from __future__ import annotations
 
+# Bump when an exporter traces a different graph for the same model and choices (it is part of
+# the MLIR cache key). 2: Winograd weights computed at export, as parameters of their own;
+# 3: Winograd transforms with fewer traced ops.
+EXPORTER_REVISION = 3
+
 SCOPES = {
     "text_encoder": "text_encoder",
     "unet": "unet",

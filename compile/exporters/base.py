@@ -65,6 +65,9 @@ class ExportPlan:
     functions: list[FunctionSpec]
     # Export choices that change the MLIR (attention lowering, ...), for cache keys.
     options: dict = field(default_factory=dict)
+    # Tag of the parameters computed at export (e.g. "winograd2"), saved apart from the model's
+    # own; None when there are none.
+    derived: str | None = None
 
     def signature_json(self) -> dict:
         return {f.name: f.to_json() for f in self.functions}
@@ -82,8 +85,15 @@ def export_to_mlir(plan: ExportPlan, mlir_path: Path) -> None:
     output.save_mlir(mlir_path)
 
 
-def save_parameters(module: torch.nn.Module, path: Path) -> None:
-    """Write module's parameters and persistent buffers to an .irpa archive at path."""
-    from iree.turbine import aot
+def save_parameters(module: torch.nn.Module, path: Path, derived: bool = False) -> None:
+    """Write module's parameters and persistent buffers to an .irpa archive at path: the
+    model's own ones, or (derived=True) only those computed at export."""
+    from iree.turbine.aot import ParameterArchiveBuilder
 
-    aot.save_module_parameters(path, module)
+    from .conv_matmul import is_derived
+
+    builder = ParameterArchiveBuilder()
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if is_derived(name) == derived:
+            builder.add_tensor(name, tensor.detach())
+    builder.save(path)

@@ -5,9 +5,11 @@ its direct NCHW convolutions on this kind of CPU), but it does not data-tile con
 the batched matmul-like ops its own im2col rewrite produces. So for cpu the exporter states each
 convolution as matmuls itself: "matmul" is channels-last im2col, [N·OH·OW, KH·KW·C] @
 [KH·KW·C, O]; "winograd" turns 3x3 stride-1 convolutions into Winograd F(2x2,3x3) (16 batched
-matmuls over 2x2 output tiles, 2.25x fewer multiplies) and the rest into im2col. Weights keep
-their parameter names; their reshapes and transforms depend on parameters only, which IREE
-hoists to load time.
+matmuls over 2x2 output tiles, 2.25x fewer multiplies) and the rest into im2col. The model's
+weights keep their parameter names; each Winograd conv also gets its transformed weight as a
+parameter of its own (`<conv>.weight_winograd`, computed here in float64), saved to a separate
+archive. What is left to do with weights inside the module (transposes, data-tiling packs) is
+hoisted by IREE and, for targets with `encode_parameters`, computed at compile time.
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ import torch.nn.functional as F
 
 # "native": torch's Conv2d as traced; "matmul": im2col + matmul; "winograd": Winograd F(2x2,3x3)
 # for 3x3 stride-1 convs on even sizes (2.25x fewer multiplies), im2col + matmul for the rest.
-# Its transformed weights are 16/9 the size of the originals; IREE hoists them to load time only
-# under a raised --iree-opt-const-expr-max-size-increase-threshold (else they are recomputed on
-# every call: 3.5 s of a 36 s UNet call).
+# Its transformed weights are 16/9 the size of the originals. Packing them is hoisted to load
+# time only under a raised --iree-opt-const-expr-max-size-increase-threshold.
 CONV_CHOICES = ("native", "matmul", "winograd")
 
 # Winograd F(m x m, 3x3) transforms (Lavin & Gray 2015): Y = A^T [(G g G^T) * (B^T d B)] A, per
@@ -53,6 +54,9 @@ WINOGRAD = {
     ),
 }
 WINOGRAD_TILE = 2
+# The transformed weight G g G^T is computed at export and saved as a parameter of its own, so
+# the compiled module only repacks it (which the parameter encoder then does at compile time).
+WINOGRAD_PARAM = "weight_winograd"
 
 
 def conv2d_as_matmul(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
@@ -101,6 +105,14 @@ def winograd_applies(conv: torch.nn.Conv2d, x: torch.Tensor, m: int = WINOGRAD_T
     )
 
 
+def winograd_weight(weight: torch.Tensor, m: int = WINOGRAD_TILE) -> torch.Tensor:
+    """G g G^T for every (output, input) channel pair of a 3x3 weight: [(m+2)^2, C, O]."""
+    t = m + 2
+    g = torch.tensor(WINOGRAD[m][1], dtype=weight.dtype, device=weight.device)
+    o, c = weight.shape[:2]
+    return torch.einsum("xa,ocab,yb->xyco", g, weight, g).reshape(t * t, c, o)
+
+
 def conv2d_winograd(conv: torch.nn.Conv2d, x: torch.Tensor, m: int = WINOGRAD_TILE):
     """A 3x3, stride 1, padding 1 convolution as Winograd F(m x m, 3x3): (m+2)^2 batched
     matmuls over the tiles; anything else falls back to conv2d_as_matmul."""
@@ -112,15 +124,21 @@ def conv2d_winograd(conv: torch.nn.Conv2d, x: torch.Tensor, m: int = WINOGRAD_TI
     o = conv.weight.shape[0]
     th, tw = h // m, w // m
     xp = F.pad(x.permute(0, 2, 3, 1), (0, 0, 1, 1, 1, 1))
-    # d[i][j]: element (i, j) of every overlapping t x t input tile, [N, th, tw, C]
-    d = [[xp[:, i : i + m * th : m, j : j + m * tw : m, :] for j in range(t)] for i in range(t)]
-    rows = [[_combine(bt[r], [d[i][j] for i in range(t)]) for j in range(t)] for r in range(t)]
-    v = torch.stack([_combine(bt[s], rows[r]) for r in range(t) for s in range(t)])
-    gm = torch.tensor(g, dtype=conv.weight.dtype)
-    u = torch.einsum("xa,ocab,yb->xyco", gm, conv.weight, gm).reshape(t * t, c, o)
+    # B^T d B over all tiles at once, one axis at a time on whole tensors (few traced ops: the
+    # export's time grows with their number). Input row i of every tile row: [N, th, W+2, C].
+    rows = [xp[:, i : i + m * th : m] for i in range(t)]
+    bd = torch.stack([_combine(bt[r], rows) for r in range(t)])
+    cols = [bd[:, :, :, j : j + m * tw : m] for j in range(t)]  # [t(r), N, th, tw, C]
+    v = torch.stack([_combine(bt[s], cols) for s in range(t)], dim=1)  # [t(r), t(s), N, th, tw, C]
+    u = getattr(conv, WINOGRAD_PARAM, None)
+    if u is None:
+        u = winograd_weight(conv.weight, m)
     prod = torch.bmm(v.reshape(t * t, n * th * tw, c), u).reshape(t, t, n, th, tw, o)
-    half = [[_combine(at[a], [prod[r][s] for r in range(t)]) for s in range(t)] for a in range(m)]
-    y = torch.stack([torch.stack([_combine(at[b], half[a]) for b in range(m)]) for a in range(m)])
+    # A^T M A: over the tile columns s, then the rows r.
+    by_col = [prod[:, s] for s in range(t)]
+    half = torch.stack([_combine(at[b], by_col) for b in range(m)], dim=1)  # [t(r), m(b), ...]
+    by_row = [half[r] for r in range(t)]
+    y = torch.stack([_combine(at[a], by_row) for a in range(m)])  # [m(a), m(b), N, th, tw, O]
     # y[a][b][n, ty, tx, o] is output pixel (m*ty + a, m*tx + b)
     y = y.permute(2, 3, 0, 4, 1, 5).reshape(n, h, w, o)
     if conv.bias is not None:
@@ -148,9 +166,42 @@ def convs_as_matmuls(model: torch.nn.Module, winograd: bool = False) -> int:
     return count
 
 
-def set_conv_lowering(model: torch.nn.Module, conv: str) -> None:
-    """Apply the target's `export.conv` choice to every Conv2d of model."""
+def add_winograd_weights(model: torch.nn.Module, m: int = WINOGRAD_TILE) -> int:
+    """Give every 3x3, stride-1, padding-1 Conv2d of model its transformed weight as a parameter
+    of its own (`<conv>.weight_winograd`), computed here in float64 from the original. Returns
+    how many convs have one."""
+    count = 0
+    for mod in model.modules():
+        eligible = (
+            isinstance(mod, torch.nn.Conv2d)
+            and _supported(mod)
+            and tuple(mod.kernel_size) == (3, 3)
+            and tuple(mod.stride) == (1, 1)
+            and tuple(mod.padding) == (1, 1)
+        )
+        if not eligible:
+            continue
+        if not hasattr(mod, WINOGRAD_PARAM):  # a second plan on the same model (the VAE's)
+            with torch.no_grad():
+                u = winograd_weight(mod.weight.detach().double(), m).to(mod.weight.dtype)
+            mod.register_parameter(WINOGRAD_PARAM, torch.nn.Parameter(u, requires_grad=False))
+        count += 1
+    return count
+
+
+def is_derived(name: str) -> bool:
+    """A parameter computed at export (not in the model's files): saved to its own archive."""
+    return name.endswith("." + WINOGRAD_PARAM)
+
+
+def set_conv_lowering(model: torch.nn.Module, conv: str) -> str | None:
+    """Apply the target's `export.conv` choice to every Conv2d of model. Returns a tag naming
+    the derived parameters it added (None when it added none)."""
     if conv not in CONV_CHOICES:
         raise ValueError(f"export conv choice must be one of {CONV_CHOICES}, not {conv!r}")
-    if conv != "native":
-        convs_as_matmuls(model, winograd=conv == "winograd")
+    if conv == "native":
+        return None
+    convs_as_matmuls(model, winograd=conv == "winograd")
+    if conv == "winograd" and add_winograd_weights(model):
+        return f"winograd{WINOGRAD_TILE}"
+    return None

@@ -41,7 +41,7 @@ def plan_unet(
     conv: str = "native",
 ) -> ExportPlan:
     set_unet_attention(unet, attention)
-    set_conv_lowering(unet, conv)
+    derived = set_conv_lowering(unet, conv)
     unet = unet.to(dtype).eval()
     entry = UNetEntry(unet)
     dt = NUMPY_DTYPE_NAMES[dtype]
@@ -74,4 +74,5 @@ def plan_unet(
         params_module=unet,
         functions=[spec(denoise_cfg, 2 * batch), spec(denoise, batch)],
         options={"attention": attention, "conv": conv},
+        derived=derived,
     )

@@ -40,7 +40,7 @@ def _plan(
     vae, *, submodule, entry_cls, fname, in_name, out_name, batch, image_hw, dtype, attention, conv
 ):
     set_unet_attention(vae, attention)
-    set_conv_lowering(vae, conv)
+    derived = set_conv_lowering(vae, conv)
     vae = vae.to(dtype).eval()
     dt = NUMPY_DTYPE_NAMES[dtype]
     h, w = image_hw
@@ -67,6 +67,7 @@ def _plan(
             )
         ],
         options={"attention": attention, "conv": conv},
+        derived=derived,
     )
 
 

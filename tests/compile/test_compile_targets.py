@@ -18,7 +18,7 @@ def assert_manifest_complete(out, target, arch, dtype):
     m = load_manifest(out)
     check_files(m)  # every listed file exists and matches its sha256
     d = m.data
-    assert d["schema_version"] == 1
+    assert d["schema_version"] == 2
     assert d["target"] == {**d["target"], "name": target, "arch": arch}
     assert d["dtype"] == dtype
     assert d["iree_compiler_version"].startswith("3.13")
@@ -155,3 +155,38 @@ def test_default_dtype_falls_back_when_refused_and_says_why(tiny_model, tmp_path
                    Reporter(stream=io.StringIO()))  # fmt: skip
     assert plan.dtype == "fp16"
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_cpu_weights_are_derived_at_export_and_encoded_at_compile(compiled):
+    """cpu: the Winograd weights are derived at export into their own shared archive; every
+    submodule's repacked weights were computed by its encoder at compile time into
+    `<submodule>.encoded.irpa` beside the vmfb, which the artifact then needs instead of the
+    derived archive. Without it the module cannot load; vulkan needs neither."""
+    import iree.runtime as rt
+
+    from sdiree.compile.param_encoder import loads_with
+
+    out = compiled.get("cpu", "host", "fp32")
+    m = load_manifest(out)
+    for name, sub in m.submodules.items():
+        assert sub.extra_parameters == ((f"{name}.encoded.irpa", f"{name}_encoded"),), name
+        assert f"{name}.encoded.irpa" in m.data["files"]
+    derived = m.path(m.submodules["unet"].parameters).with_name("unet.winograd2.irpa")
+    index = rt.ParameterIndex()
+    index.load(str(derived))
+    keys = [k for k, _ in index.items()]
+    assert keys and all(k.endswith(".weight_winograd") for k in keys)
+    assert (
+        not m.path(m.submodules["text_encoder"].parameters)
+        .with_name("text_encoder.winograd2.irpa")
+        .exists()
+    )  # no convs, nothing derived
+
+    # The unet module loads from those two archives and refuses to without the encoded one
+    # (it does not recompute it).
+    unet = m.submodules["unet"]
+    vmfb, shared = m.path(unet.vmfb), ("unet", m.path(unet.parameters))
+    assert loads_with(vmfb, [shared, ("unet_encoded", out / "unet.encoded.irpa")], "local-task")
+    assert not loads_with(vmfb, [shared], "local-task")
+    vk = load_manifest(compiled.get("vulkan-spirv", "lavapipe", "fp32"))
+    assert all(not s.extra_parameters for s in vk.submodules.values())

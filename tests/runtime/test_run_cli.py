@@ -156,11 +156,17 @@ def test_unknown_schema(art_copy, tmp_path):
     )
 
 
-@pytest.mark.parametrize("which", ["vmfb", "parameters"])
+def _unet_file(art, which):
+    unet = json.loads((art / "manifest.json").read_text())["submodules"]["unet"]
+    if which == "encoded":  # the cpu UNet's weights repacked at compile time
+        return art / next(e["path"] for e in unet["extra_parameters"] if "encoded" in e["path"])
+    return (art / unet[which]).resolve()
+
+
+@pytest.mark.parametrize("which", ["vmfb", "parameters", "encoded"])
 def test_tampered_files_refused(art_copy, tmp_path, which):
     art = art_copy()
-    m = json.loads((art / "manifest.json").read_text())
-    victim = (art / m["submodules"]["unet"][which]).resolve()
+    victim = _unet_file(art, which)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
@@ -168,6 +174,15 @@ def test_tampered_files_refused(art_copy, tmp_path, which):
     assert_clean_failure(
         sdiree("run", art, "--prompt", "a", "-o", out), "does not match its sha256"
     )
+    assert not out.exists()
+
+
+def test_missing_encoded_archive_refused(art_copy, tmp_path):
+    art = art_copy()
+    _unet_file(art, "encoded").unlink()
+    out = tmp_path / "o.png"
+    proc = sdiree("run", art, "--prompt", "a", "-o", out)
+    assert_clean_failure(proc, "unet.encoded.irpa")
     assert not out.exists()
 
 

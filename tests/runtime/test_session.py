@@ -65,3 +65,35 @@ def test_other_errors_are_not_retried(cpu_art, monkeypatch):
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
         session.with_fresh_device_on_loss(manifest, info, ["text_encoder"], lambda s: s, print)
     assert len(opened) == 1
+
+
+def test_schema_1_manifest_still_loads(compiled, tmp_path):
+    """A version-1 manifest (before extra_parameters) is read; its submodules load only their
+    one archive. Here: the vulkan artifact, which has no extra archives, relabelled as v1."""
+    import json
+    import shutil
+
+    src = compiled.get("vulkan-spirv", "lavapipe", "fp32")
+    art = tmp_path / src.parent.name / src.name
+    shutil.copytree(src, art)
+    (art.parent / "params").symlink_to(src.parent / "params")
+    data = json.loads((art / "manifest.json").read_text())
+    data["schema_version"] = 1
+    for sub in data["submodules"].values():
+        assert sub.pop("extra_parameters") == []
+    (art / "manifest.json").write_text(json.dumps(data))
+    m = load_manifest(art)
+    assert all(s.archives() == [(s.parameters, s.scope)] for s in m.submodules.values())
+    from sdiree.runtime.device import list_devices
+
+    s = session.Session(m, list_devices("vulkan")[0], ["text_encoder"])
+    assert ("text_encoder", "encode") in s._functions
+
+
+def test_cpu_unet_loads_its_model_weights_and_its_encoded_weights(cpu_art):
+    """The Winograd weights derived at export reach the module only through its encoded
+    archive, so the artifact does not list their archive."""
+    m = load_manifest(cpu_art)
+    archives = m.submodules["unet"].archives()
+    assert [s for _, s in archives] == ["unet", "unet_encoded"]
+    assert not any("winograd" in p for p, _ in archives)

@@ -92,3 +92,42 @@ def test_grouped_convolutions_are_left_alone():
     conv = torch.nn.Conv2d(4, 4, 3, padding=1, groups=2)
     assert convs_as_matmuls(torch.nn.Sequential(conv)) == 0
     assert "forward" not in vars(conv)
+
+
+def test_winograd_weights_are_derived_parameters_with_the_same_result(tmp_path):
+    """set_conv_lowering("winograd") adds G g G^T as `<conv>.weight_winograd` to eligible convs
+    only; the forward uses it (a changed one changes the output); the model's own parameters go
+    to one archive, the derived ones to another."""
+    import iree.runtime as rt
+
+    from sdiree.compile.exporters.base import save_parameters
+    from sdiree.compile.exporters.conv_matmul import is_derived, set_conv_lowering
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(4, 8, 3, padding=1),  # eligible
+        torch.nn.Conv2d(8, 8, 3, stride=2, padding=1),  # stride 2: im2col
+        torch.nn.Conv2d(8, 6, 1),  # 1x1: im2col
+    ).eval()
+    own = list(model.state_dict())
+    x = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        ref = model(x)
+        assert set_conv_lowering(model, "winograd") == "winograd2"
+        derived = [n for n in model.state_dict() if is_derived(n)]
+        assert derived == ["0.weight_winograd"]
+        assert model[0].weight_winograd.shape == (16, 4, 8)
+        torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
+        model[0].weight_winograd.mul_(2)
+        assert (model(x) - ref).abs().max() > 1e-2
+
+    save_parameters(model, tmp_path / "own.irpa")
+    save_parameters(model, tmp_path / "derived.irpa", derived=True)
+    for path, names in ((tmp_path / "own.irpa", own), (tmp_path / "derived.irpa", derived)):
+        index = rt.ParameterIndex()
+        index.load(str(path))
+        assert sorted(k for k, _ in index.items()) == sorted(names)
+    assert set_conv_lowering(model, "winograd") == "winograd2"  # again: still has them
+    assert [n for n in model.state_dict() if is_derived(n)] == derived
+    assert set_conv_lowering(torch.nn.Sequential(torch.nn.Conv2d(4, 4, 1)), "winograd") is None
+    assert set_conv_lowering(torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3)), "native") is None
