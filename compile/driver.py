@@ -233,6 +233,19 @@ class Builder:
         self._plans[submodule] = plan_for(self, submodule)
         return self._plans[submodule]
 
+    def release_torch(self, submodule: str, later: tuple[str, ...]) -> None:
+        """Drop submodule's torch model once exported and saved, unless a later submodule
+        shares it (the VAE): iree-compile and the encoder need the memory more."""
+        import gc
+
+        from .exporters import COMPONENTS
+
+        self._plans.pop(submodule, None)
+        component = COMPONENTS[submodule]
+        if all(COMPONENTS[s] != component for s in later):
+            self._torch_models.pop(component, None)
+            gc.collect()
+
     # -- stages ------------------------------------------------------------------------
     def ensure_mlir(self, submodule: str) -> Path:
         path = self.mlir_path(submodule)
@@ -415,9 +428,10 @@ def compile_model(opts: CompileOptions, reporter: Reporter | None = None) -> Pat
         manifest_path.unlink()
 
     results = {}
-    for sub in plan.submodules:
+    for i, sub in enumerate(plan.submodules):
         mlir = b.ensure_mlir(sub)
         params = b.ensure_params(sub)
+        b.release_torch(sub, later=plan.submodules[i + 1 :])
         compiled = b.ensure_vmfb(sub, mlir, params, state)
         results[sub] = {"mlir": mlir, "params": params, **compiled}
 

@@ -10,8 +10,8 @@ IREE's own driver for this, `iree-encode-parameters`, is not in the iree-base-ru
 `run_encoder` does what it does through the Python runtime: the encoder's exported functions are
 found by their `iree.encode.function` reflection attribute; `indices` lists the output
 parameters (per scope: kind, key, byte length, alignment or splat pattern); `steps` and then
-`encode` (coarse-fences ABI) fill them through an io_parameters provider backed by writable host
-buffers; the buffers are then written as one .irpa archive.
+`encode` (coarse-fences ABI) fill them through an io_parameters provider backed by writable
+views of the output archive, laid out beforehand.
 """
 
 from __future__ import annotations
@@ -76,8 +76,11 @@ def run_encoder(
         ctx.invoke(fn, args or rt.VmVariantList(0), out_list)
         return out_list
 
-    output = rt.ParameterIndex()
-    buffers = []  # the encoder writes into these; they must outlive the call
+    # The archive is laid out first, zero-filled, then its data entries are mapped writable and
+    # handed to the encoder: its output goes to the page cache, not to gigabytes of process
+    # memory (the SD 1.5-size UNet's is 10 GB).
+    layout = rt.ParameterIndex()
+    lengths = {}
     scopes = invoke(context(), functions["indices"]).get_as_list(0)
     for i in range(scopes.size):
         entry_scope = scopes.get_as_list(i)
@@ -90,31 +93,34 @@ def run_encoder(
             if kind == SPLAT:
                 pattern_bytes = e.get_variant(5)
                 pattern = np.array([e.get_variant(4)], np.uint64).view(np.uint8)[:pattern_bytes]
-                output.add_splat(key, pattern.copy(), length)
+                layout.add_splat(key, pattern.copy(), length)
             else:
-                alignment = max(int(e.get_variant(4)), 1)
-                raw = np.zeros(length + alignment, np.uint8)
-                start = (-raw.ctypes.data) % alignment
-                buffers.append(raw[start : start + length])
-                output.add_buffer(key, buffers[-1], writable=True)
-    count = len(output.items())
+                layout.add_buffer(key, np.zeros(length, np.uint8))  # untouched pages: no RSS
+                lengths[key] = length
+    count = len(layout.items())
     if count == 0:
         return 0
-
-    ctx = context(output.create_provider(scope=scope))
-    steps = invoke(ctx, functions["steps"]).get_as_list(0) if "steps" in functions else None
-    signal = rt.HalFence.create_at(device.create_semaphore(0), 1)
-    args = rt.VmVariantList(3)
-    if steps is None:
-        args.push_ref(None)
-    else:
-        args.push_list(steps)
-    args.push_ref(rt.HalFence(0))  # nothing to wait for
-    args.push_ref(signal)
-    ctx.invoke(functions["encode"], args, rt.VmVariantList(0))
-    signal.wait()
     with atomic_path(out) as tmp:
-        output.create_archive_file(str(tmp))
+        written = layout.create_archive_file(str(tmp))
+        offsets = {k: e.file_storage[1] for k, e in written.items() if k in lengths}
+        mapped = np.memmap(tmp, np.uint8, mode="r+")
+        output = rt.ParameterIndex()
+        for key, length in lengths.items():
+            output.add_buffer(key, mapped[offsets[key] : offsets[key] + length], writable=True)
+        ctx = context(output.create_provider(scope=scope))
+        steps = invoke(ctx, functions["steps"]).get_as_list(0) if "steps" in functions else None
+        signal = rt.HalFence.create_at(device.create_semaphore(0), 1)
+        args = rt.VmVariantList(3)
+        if steps is None:
+            args.push_ref(None)
+        else:
+            args.push_list(steps)
+        args.push_ref(rt.HalFence(0))  # nothing to wait for
+        args.push_ref(signal)
+        ctx.invoke(functions["encode"], args, rt.VmVariantList(0))
+        signal.wait()
+        mapped.flush()
+        del ctx, output, mapped, written
     return count
 
 
@@ -129,15 +135,12 @@ def loads_with(vmfb: Path, archives: list[tuple[str, Path]], driver: str) -> boo
     for scope, path in archives:
         indices.setdefault(scope, rt.ParameterIndex()).load(str(path))
     providers = [index.create_provider(scope=s) for s, index in indices.items()]
+    # Held in names: a module freed while VmContext raises turns the error into a SystemError.
+    params = rt.create_io_parameters_module(instance, *providers)
+    hal = rt.create_hal_module(instance, device)
+    module = rt.VmModule.mmap(instance, str(vmfb))
     try:
-        rt.VmContext(
-            instance,
-            modules=[
-                rt.create_io_parameters_module(instance, *providers),
-                rt.create_hal_module(instance, device),
-                rt.VmModule.mmap(instance, str(vmfb)),
-            ],
-        )
+        rt.VmContext(instance, modules=[params, hal, module])
     except ValueError as e:
         if "no parameter found" in str(e) or "no provider registered" in str(e):
             return False
