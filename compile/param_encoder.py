@@ -35,6 +35,16 @@ def encoder_flags(encoder_mlir: Path, scope: str) -> list[str]:
     ]
 
 
+def _providers(archives: list[tuple[str, Path]]) -> list:
+    """One parameter provider per scope, over every archive of that scope."""
+    import iree.runtime as rt
+
+    indices = {}
+    for scope, path in archives:
+        indices.setdefault(scope, rt.ParameterIndex()).load(str(path))
+    return [index.create_provider(scope=scope) for scope, index in indices.items()]
+
+
 def _text(ref) -> str:
     import iree.runtime as rt
 
@@ -61,10 +71,7 @@ def run_encoder(
     if "indices" not in functions or "encode" not in functions:
         raise RuntimeError(f"{encoder_vmfb.name} is not a parameter encoder module")
 
-    indices = {}  # one index per scope, over all of its archives
-    for src_scope, path in inputs:
-        indices.setdefault(src_scope, rt.ParameterIndex()).load(str(path))
-    sources = [index.create_provider(scope=s) for s, index in indices.items()]
+    sources = _providers(inputs)
 
     def context(*extra_providers):
         params = rt.create_io_parameters_module(instance, *sources, *extra_providers)
@@ -131,10 +138,7 @@ def loads_with(vmfb: Path, archives: list[tuple[str, Path]], driver: str) -> boo
 
     instance = rt.VmInstance()
     device = rt.get_driver(driver).create_default_device()
-    indices = {}
-    for scope, path in archives:
-        indices.setdefault(scope, rt.ParameterIndex()).load(str(path))
-    providers = [index.create_provider(scope=s) for s, index in indices.items()]
+    providers = _providers(archives)
     # Held in names: a module freed while VmContext raises turns the error into a SystemError.
     params = rt.create_io_parameters_module(instance, *providers)
     hal = rt.create_hal_module(instance, device)
