@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from sdiree.runtime.fileutil import atomic_path
+from sdiree.runtime.session import parameter_providers
 
 SPLAT, DATA = 0, 1
 
@@ -33,16 +34,6 @@ def encoder_flags(encoder_mlir: Path, scope: str) -> list[str]:
         f"--iree-parameter-encoder-output-scope={scope}",
         "--iree-parameter-encoder-mode=overlay",
     ]
-
-
-def _providers(archives: list[tuple[str, Path]]) -> list:
-    """One parameter provider per scope, over every archive of that scope."""
-    import iree.runtime as rt
-
-    indices = {}
-    for scope, path in archives:
-        indices.setdefault(scope, rt.ParameterIndex()).load(str(path))
-    return [index.create_provider(scope=scope) for scope, index in indices.items()]
 
 
 def _text(ref) -> str:
@@ -71,7 +62,7 @@ def run_encoder(
     if "indices" not in functions or "encode" not in functions:
         raise RuntimeError(f"{encoder_vmfb.name} is not a parameter encoder module")
 
-    sources = _providers(inputs)
+    sources = parameter_providers(inputs)
 
     def context(*extra_providers):
         params = rt.create_io_parameters_module(instance, *sources, *extra_providers)
@@ -138,7 +129,7 @@ def loads_with(vmfb: Path, archives: list[tuple[str, Path]], driver: str) -> boo
 
     instance = rt.VmInstance()
     device = rt.get_driver(driver).create_default_device()
-    providers = _providers(archives)
+    providers = parameter_providers(archives)
     # Held in names: a module freed while VmContext raises turns the error into a SystemError.
     params = rt.create_io_parameters_module(instance, *providers)
     hal = rt.create_hal_module(instance, device)

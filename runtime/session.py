@@ -8,6 +8,7 @@ the names, shapes and dtypes the manifest declares before the call.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
@@ -29,14 +30,12 @@ class Session:
         self.instance = rt.VmInstance()
         hal = rt.create_hal_module(self.instance, self.device)
         modules = [hal]
-        indices = {}  # one ParameterIndex per scope, over every archive of that scope
-        loaded = set()
-        for name in submodules:
-            for path, scope in manifest.submodules[name].archives():
-                if (path, scope) not in loaded:
-                    indices.setdefault(scope, rt.ParameterIndex()).load(str(manifest.path(path)))
-                    loaded.add((path, scope))
-        providers = [idx.create_provider(scope=scope) for scope, idx in indices.items()]
+        archives = dict.fromkeys(  # the VAE's halves share their model archive: load it once
+            (scope, manifest.path(path))
+            for name in submodules
+            for path, scope in manifest.submodules[name].archives()
+        )
+        providers = parameter_providers(list(archives))
         if providers:
             modules.insert(0, rt.create_io_parameters_module(self.instance, *providers))
         self._vm_modules = {}
@@ -69,6 +68,16 @@ class Session:
         if not isinstance(results, (list, tuple)):
             results = [results]
         return [to_host(self.device, r) for r in results]
+
+
+def parameter_providers(archives: list[tuple[str, Path]]) -> list:
+    """One parameter provider per scope, over every archive [(scope, path)] of that scope."""
+    import iree.runtime as rt
+
+    indices = {}
+    for scope, path in archives:
+        indices.setdefault(scope, rt.ParameterIndex()).load(str(path))
+    return [index.create_provider(scope=scope) for scope, index in indices.items()]
 
 
 def is_device_lost(error: BaseException) -> bool:
