@@ -306,8 +306,13 @@ class TorchSide:
             return [host(pipe.vae.decode(t("vae_decode.latents") / sf, return_dict=False)[0])]
 
         def image():
+            # The starting noise drawn as sdiree draws it (float32 from a CPU generator, then cast):
+            # diffusers draws it in the pipeline's dtype, which for fp16 is other noise.
+            g = torch.Generator("cpu").manual_seed(spec["seed"])
+            latents = torch.randn(spec["latent_shape"], generator=g).to(device, dtype)
             out = pipe(
                 spec["prompt"],
+                latents=latents,
                 negative_prompt=spec["negative_prompt"] or None,
                 num_inference_steps=spec["steps"],
                 guidance_scale=spec["guidance_scale"],
@@ -708,6 +713,7 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
         "diffusers_scheduler": diffusers_sched,
         "height": img["height"],
         "width": img["width"],
+        "latent_shape": [1, img["latent_channels"], img["latent_height"], img["latent_width"]],
     }
     (work / "spec.json").write_text(json.dumps(spec, indent=2))
     output_names = {

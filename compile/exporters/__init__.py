@@ -8,8 +8,9 @@ from __future__ import annotations
 
 # Bump when an exporter traces a different graph for the same model and choices (it is part of
 # the MLIR cache key). 2: Winograd weights computed at export, as parameters of their own;
-# 3: Winograd transforms with fewer traced ops.
-EXPORTER_REVISION = 3
+# 3: Winograd transforms with fewer traced ops; 4: GroupNorm in float32 for half precision, and
+# the `pointwise_einsum` conv choice.
+EXPORTER_REVISION = 4
 
 SCOPES = {
     "text_encoder": "text_encoder",

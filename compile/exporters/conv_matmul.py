@@ -23,7 +23,11 @@ import torch.nn.functional as F
 # for 3x3 stride-1 convs on even sizes (2.25x fewer multiplies), im2col + matmul for the rest.
 # Its transformed weights are 16/9 the size of the originals. Packing them is hoisted to load
 # time only under a raised --iree-opt-const-expr-max-size-increase-threshold.
-CONV_CHOICES = ("native", "matmul", "winograd")
+# "pointwise_einsum": 1x1 stride-1 convs as einsum("oc,nchw->nohw") with the weight as the first
+# operand, the rest native. iree 3.13's cuda fp16 (tensor core) codegen gets a contraction wrong
+# when its first operand holds the output's inner dimension, which is how IREE itself rewrites a
+# 1x1 NCHW conv (rel error ~1.3 on an H100); the weight-first einsum keeps the right order.
+CONV_CHOICES = ("native", "matmul", "winograd", "pointwise_einsum")
 
 # Winograd F(m x m, 3x3) transforms (Lavin & Gray 2015): Y = A^T [(G g G^T) * (B^T d B)] A, per
 # (m+2)x(m+2) input tile. F(2x2,3x3) needs 16 multiplies per 4 outputs instead of 36.
@@ -146,6 +150,16 @@ def conv2d_winograd(conv: torch.nn.Conv2d, x: torch.Tensor, m: int = WINOGRAD_TI
     return y.permute(0, 3, 1, 2)
 
 
+def conv1x1_as_einsum(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """A 1x1, stride-1, unpadded convolution as a weight-first channel contraction."""
+    if tuple(conv.kernel_size) != (1, 1) or tuple(conv.stride) != (1, 1) or any(conv.padding):
+        return torch.nn.Conv2d.forward(conv, x)
+    y = torch.einsum("oc,nchw->nohw", conv.weight[:, :, 0, 0], x)
+    if conv.bias is not None:
+        y = y + conv.bias[:, None, None]
+    return y
+
+
 def _supported(conv: torch.nn.Conv2d) -> bool:
     return (
         conv.groups == 1
@@ -155,9 +169,17 @@ def _supported(conv: torch.nn.Conv2d) -> bool:
     )
 
 
-def convs_as_matmuls(model: torch.nn.Module, winograd: bool = False) -> int:
-    """Rebind the forward of every supported Conv2d in `model`; returns how many."""
-    forward = conv2d_winograd if winograd else conv2d_as_matmul
+LOWERINGS = {
+    "matmul": conv2d_as_matmul,
+    "winograd": conv2d_winograd,
+    "pointwise_einsum": conv1x1_as_einsum,
+}
+
+
+def convs_as_matmuls(model: torch.nn.Module, conv: str = "matmul") -> int:
+    """Rebind the forward of every supported Conv2d in `model` to the lowering named conv;
+    returns how many."""
+    forward = LOWERINGS[conv]
     count = 0
     for m in model.modules():
         if isinstance(m, torch.nn.Conv2d) and _supported(m):
@@ -201,7 +223,7 @@ def set_conv_lowering(model: torch.nn.Module, conv: str) -> str | None:
         raise ValueError(f"export conv choice must be one of {CONV_CHOICES}, not {conv!r}")
     if conv == "native":
         return None
-    convs_as_matmuls(model, winograd=conv == "winograd")
+    convs_as_matmuls(model, conv)
     if conv == "winograd" and add_winograd_weights(model):
         return f"winograd{WINOGRAD_TILE}"
     return None

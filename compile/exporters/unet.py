@@ -11,6 +11,7 @@ import torch
 
 from .base import NUMPY_DTYPE_NAMES, ExportPlan, FunctionSpec, TensorSpec
 from .conv_matmul import set_conv_lowering
+from .norm_precision import group_norms_in_fp32
 
 
 class UNetEntry(torch.nn.Module):
@@ -42,6 +43,7 @@ def plan_unet(
 ) -> ExportPlan:
     set_unet_attention(unet, attention)
     derived = set_conv_lowering(unet, conv)
+    group_norms_in_fp32(unet, dtype)
     unet = unet.to(dtype).eval()
     entry = UNetEntry(unet)
     dt = NUMPY_DTYPE_NAMES[dtype]

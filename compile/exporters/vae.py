@@ -11,6 +11,7 @@ import torch
 
 from .base import NUMPY_DTYPE_NAMES, ExportPlan, FunctionSpec, TensorSpec
 from .conv_matmul import set_conv_lowering
+from .norm_precision import group_norms_in_fp32
 from .unet import set_unet_attention
 
 SCOPE = "vae"
@@ -41,6 +42,7 @@ def _plan(
 ):
     set_unet_attention(vae, attention)
     derived = set_conv_lowering(vae, conv)
+    group_norms_in_fp32(vae, dtype)
     vae = vae.to(dtype).eval()
     dt = NUMPY_DTYPE_NAMES[dtype]
     h, w = image_hw

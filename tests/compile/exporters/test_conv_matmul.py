@@ -1,4 +1,4 @@
-"""conv `matmul` and `winograd` export choices compute what Conv2d computes."""
+"""conv `matmul`, `winograd` and `pointwise_einsum` export choices compute what Conv2d computes."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sdiree.compile.exporters.conv_matmul import (  # noqa: E402
+    conv1x1_as_einsum,
     conv2d_as_matmul,
     conv2d_winograd,
     convs_as_matmuls,
@@ -30,9 +31,20 @@ def test_matches_conv2d(cin, cout, kernel, stride, padding, bias):
     conv = torch.nn.Conv2d(cin, cout, kernel, stride=stride, padding=padding, bias=bias)
     x = torch.randn(2, cin, 11, 9)
     ref = conv(x)
-    got = conv2d_as_matmul(conv, x)
-    assert got.shape == ref.shape
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for lowering in (conv2d_as_matmul, conv1x1_as_einsum):
+        got = lowering(conv, x)
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_pointwise_einsum_puts_the_weight_first():
+    """The einsum form must trace with the weight as the contraction's first operand (the
+    order iree's cuda fp16 codegen gets right); other convs keep Conv2d's own forward."""
+    conv = torch.nn.Conv2d(8, 12, 1)
+    graph = torch.fx.symbolic_trace(lambda x: conv1x1_as_einsum(conv, x)).graph
+    (einsum,) = [n for n in graph.nodes if n.target is torch.functional.einsum]
+    assert einsum.args[0] == "oc,nchw->nohw"
+    assert str(einsum.args[1]) != "x" and str(einsum.args[2]) == "x"
 
 
 @pytest.mark.parametrize("m", [2, 4])
@@ -60,8 +72,8 @@ def test_winograd_matches_conv2d(m, cin, cout, h, w, stride, applies):
     assert rel < (2e-6 if m == 2 else 3e-5), rel
 
 
-@pytest.mark.parametrize("winograd", [False, True], ids=["matmul", "winograd"])
-def test_rewrites_a_unet_without_changing_outputs_or_parameter_names(winograd):
+@pytest.mark.parametrize("conv", ["matmul", "winograd", "pointwise_einsum"])
+def test_rewrites_a_unet_without_changing_outputs_or_parameter_names(conv):
     from diffusers import UNet2DConditionModel
 
     torch.manual_seed(0)
@@ -79,7 +91,7 @@ def test_rewrites_a_unet_without_changing_outputs_or_parameter_names(winograd):
     x, t, e = torch.randn(2, 4, 8, 8), torch.tensor(10.0), torch.randn(2, 5, 16)
     with torch.no_grad():
         ref = unet(x, t, e).sample
-        count = convs_as_matmuls(unet, winograd=winograd)
+        count = convs_as_matmuls(unet, conv)
         got = unet(x, t, e).sample
     n_convs = sum(isinstance(m, torch.nn.Conv2d) for m in unet.modules())
     assert count == n_convs > 0
