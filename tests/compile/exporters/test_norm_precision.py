@@ -1,0 +1,57 @@
+"""GroupNorm in float32 for half-precision exports: same values, same names, f32 statistics."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sdiree.compile.exporters.norm_precision import group_norms_in_fp32  # noqa: E402
+
+
+def test_fp32_models_are_left_alone():
+    model = torch.nn.Sequential(torch.nn.GroupNorm(2, 4))
+    assert group_norms_in_fp32(model, torch.float32) == 0
+    assert "forward" not in vars(model[0])
+
+
+@pytest.mark.parametrize("upcast", [False, True], ids=["fp16-statistics", "fp32-statistics"])
+def test_compiled_fp16_group_norm_is_finite_only_with_fp32_statistics(upcast):
+    """4 channels x 128 x 128 values of ~300 per group: their squares sum far past fp16's
+    65504. Compiled by iree (llvm-cpu) as exported, the fp16 GroupNorm returns NaN; with the
+    rewrite it matches float32 group_norm, and parameter names do not change."""
+    import iree.runtime as rt
+    import numpy as np
+    from iree.compiler import compile_str
+    from iree.turbine import aot
+
+    torch.manual_seed(0)
+    x = (torch.randn(1, 8, 128, 128) * 300).half()
+    ref = torch.nn.functional.group_norm(x.float(), 2).numpy()
+    model = torch.nn.Sequential(torch.nn.GroupNorm(2, 8)).half().eval()
+    names = list(model.state_dict())
+    assert group_norms_in_fp32(model, torch.float16 if upcast else torch.float32) == int(upcast)
+    assert list(model.state_dict()) == names
+    mlir = str(aot.export(model, args=(x,)).mlir_module)
+    vmfb = compile_str(
+        mlir, target_backends=["llvm-cpu"], extra_args=["--iree-llvmcpu-target-cpu=host"]
+    )
+    config = rt.Config("local-task")
+    ctx = rt.SystemContext(config=config)
+    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+    got = np.asarray(ctx.modules.module.main(x.numpy()).to_host()).astype(np.float32)
+    if upcast:
+        np.testing.assert_allclose(got, ref, atol=4e-3)
+    else:  # what the rewrite is for: if iree ever sums fp16 groups in f32, drop the rewrite
+        assert not np.isfinite(got).all()
+
+
+def test_exported_statistics_are_float32():
+    """The traced graph runs group_norm on an f32 tensor, so torch-mlir decomposes it in f32."""
+    from iree.turbine import aot
+
+    model = torch.nn.Sequential(torch.nn.GroupNorm(2, 8)).half().eval()
+    group_norms_in_fp32(model, torch.float16)
+    mlir = str(aot.export(model, args=(torch.randn(1, 8, 4, 4).half(),)).mlir_module)
+    (line,) = [ln for ln in mlir.splitlines() if "torch.aten.group_norm" in ln]
+    assert "!torch.vtensor<[1,8,4,4],f32>" in line and "f16>" not in line.split("->")[0]
