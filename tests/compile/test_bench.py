@@ -246,7 +246,9 @@ def test_device_peak_is_the_allocators_high_water_mark():
         allowed_usage=rt.BufferUsage.DEFAULT,
         allocation_size=3 << 20,
     )
-    assert device_peak_mb(device) >= before + 3
+    # The mark is the most ever allocated at once: at least this buffer, and never below before
+    # (earlier tests' buffers on the shared device may have been freed since).
+    assert device_peak_mb(device) >= max(before, 3)
     del buf
 
 
