@@ -13,8 +13,9 @@ from typing import TypeVar
 
 import numpy as np
 
-from .device import DeviceInfo, create_device, to_host
+from .device import CPU_DRIVERS, DeviceInfo, create_device, to_host
 from .errors import UserError
+from .host_memory import keep_freed_host_memory
 from .manifest import FunctionDecl, Manifest
 
 T = TypeVar("T")
@@ -26,6 +27,8 @@ class Session:
 
         self.manifest = manifest
         self.device_info = device_info
+        if device_info.driver in CPU_DRIVERS:
+            keep_freed_host_memory()
         self.device = create_device(device_info)
         self.instance = rt.VmInstance()
         hal = rt.create_hal_module(self.instance, self.device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention import set_attention
 from .base import NUMPY_DTYPE_NAMES, ExportPlan, FunctionSpec, TensorSpec
 from .conv_matmul import set_conv_lowering
 from .norm_precision import group_norms_in_fp32
@@ -23,13 +24,6 @@ class UNetEntry(torch.nn.Module):
         return self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0]
 
 
-def set_unet_attention(unet: torch.nn.Module, attention: str) -> None:
-    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
-
-    # AttnProcessor is the classic bmm-softmax-bmm form; 2_0 keeps fused SDPA.
-    unet.set_attn_processor(AttnProcessor() if attention == "decomposed" else AttnProcessor2_0())
-
-
 def plan_unet(
     unet: torch.nn.Module,
     *,
@@ -41,7 +35,7 @@ def plan_unet(
     attention: str,
     conv: str = "native",
 ) -> ExportPlan:
-    set_unet_attention(unet, attention)
+    set_attention(unet, attention)
     derived = set_conv_lowering(unet, conv)
     group_norms_in_fp32(unet, dtype)
     unet = unet.to(dtype).eval()

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from .attention import set_attention
 from .base import NUMPY_DTYPE_NAMES, ExportPlan, FunctionSpec, TensorSpec
 from .conv_matmul import set_conv_lowering
 from .norm_precision import group_norms_in_fp32
-from .unet import set_unet_attention
 
 SCOPE = "vae"
 
@@ -40,7 +40,7 @@ class VaeEncodeEntry(torch.nn.Module):
 def _plan(
     vae, *, submodule, entry_cls, fname, in_name, out_name, batch, image_hw, dtype, attention, conv
 ):
-    set_unet_attention(vae, attention)
+    set_attention(vae, attention)
     derived = set_conv_lowering(vae, conv)
     group_norms_in_fp32(vae, dtype)
     vae = vae.to(dtype).eval()

@@ -111,7 +111,7 @@ def test_export_choice_differs_by_target(compiled):
         return json.loads((compiled.get(target, arch, dtype) / "manifest.json").read_text())
 
     cpu16, rocm16 = manifest("cpu", "host", "fp16"), manifest("rocm", "gfx942", "fp16")
-    assert cpu16["target"]["export"]["attention"] == "decomposed"
+    assert cpu16["target"]["export"]["attention"] == "chunked"
     assert rocm16["target"]["export"]["attention"] == "sdpa"
     assert cpu16["submodules"]["unet"]["mlir"] != rocm16["submodules"]["unet"]["mlir"]
     # cpu exports its convolutions as Winograd/im2col matmuls, vulkan keeps Conv2d

@@ -1,0 +1,123 @@
+"""Attention export choices for diffusers models (UNet, VAE): how attention is traced.
+
+- `sdpa`: one fused scaled_dot_product_attention op (IREE's attention op; GPU targets).
+- `decomposed`: diffusers' classic bmm-softmax-bmm (AttnProcessor).
+- `chunked`: bmm-exp-bmm cut into blocks of heads and queries whose score tile fits in cache,
+  with the softmax normalization moved after the second matmul. Made for llvm-cpu, where the
+  decomposed form writes and re-reads the whole score tensor (16x4096x4096 fp32, 1 GB, at 512x512)
+  several times: per block the scores stay in the last-level cache, and the row sums come out of
+  the second matmul (a column of ones appended to V) instead of a separate pass over the scores.
+  Same maths as softmax: exp(s - max) is divided by its own row sum.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Largest score block (heads x queries x keys, in bytes of the score dtype) one chunk may hold.
+# 16 MiB measured best on a Zen 8 MiB-L3 CPU (4-16 MiB all within noise; one 1 GB block 1.2x slower).
+SCORE_BLOCK_BYTES = 16 << 20
+
+ATTENTIONS = ("sdpa", "decomposed", "chunked")
+
+
+def block_shape(heads: int, queries: int, keys: int, itemsize: int, budget: int) -> tuple[int, int]:
+    """(heads per block, queries per block): halve heads, then queries, until the block fits."""
+    h, q = heads, queries
+    while h * q * keys * itemsize > budget and h % 2 == 0:
+        h //= 2
+    while h * q * keys * itemsize > budget and q % 2 == 0:
+        q //= 2
+    return h, q
+
+
+def chunked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    budget: int = SCORE_BLOCK_BYTES,
+) -> torch.Tensor:
+    """softmax(query @ key^T * scale + mask) @ value on [batch*heads, tokens, dim] tensors."""
+    bh, nq, d = query.shape
+    nk = key.shape[1]
+    hc, qc = block_shape(bh, nq, nk, query.element_size(), budget)
+    query = query * scale
+    value1 = torch.cat([value, torch.ones_like(value[..., :1])], dim=-1)
+    heads = []
+    for h in range(0, bh, hc):
+        k_t = key[h : h + hc].transpose(1, 2)
+        v1 = value1[h : h + hc]
+        rows = []
+        for i in range(0, nq, qc):
+            s = torch.bmm(query[h : h + hc, i : i + qc], k_t)
+            if mask is not None:  # [batch*heads, 1 or queries, keys]
+                s = s + (mask[h : h + hc] if mask.shape[1] == 1 else mask[h : h + hc, i : i + qc])
+            e = torch.exp(s - s.amax(dim=-1, keepdim=True))
+            r = torch.bmm(e, v1)
+            rows.append(r[..., :d] / r[..., d:])
+        heads.append(torch.cat(rows, dim=1) if len(rows) > 1 else rows[0])
+    return torch.cat(heads, dim=0) if len(heads) > 1 else heads[0]
+
+
+class ChunkedAttnProcessor:
+    """diffusers attention processor: AttnProcessor's projections around chunked_attention."""
+
+    def __call__(
+        self,
+        attn,
+        hidden_states,
+        encoder_hidden_states=None,
+        attention_mask=None,
+        temb=None,
+        *args,
+        **kwargs,
+    ):
+        residual = hidden_states
+        if attn.spatial_norm is not None:
+            hidden_states = attn.spatial_norm(hidden_states, temb)
+        input_ndim = hidden_states.ndim
+        if input_ndim == 4:
+            batch, channel, height, width = hidden_states.shape
+            hidden_states = hidden_states.view(batch, channel, height * width).transpose(1, 2)
+        batch, keys, _ = (
+            encoder_hidden_states if encoder_hidden_states is not None else hidden_states
+        ).shape
+        mask = attn.prepare_attention_mask(attention_mask, keys, batch)
+        if attn.group_norm is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+        query = attn.to_q(hidden_states)
+        context = hidden_states  # self-attention reads the normalized states
+        if encoder_hidden_states is not None:
+            context = encoder_hidden_states
+            if attn.norm_cross:
+                context = attn.norm_encoder_hidden_states(context)
+        key = attn.head_to_batch_dim(attn.to_k(context))
+        value = attn.head_to_batch_dim(attn.to_v(context))
+        query = attn.head_to_batch_dim(query)
+        dtype = query.dtype
+        if attn.upcast_attention or attn.upcast_softmax:
+            query, key, value = query.float(), key.float(), value.float()
+            mask = None if mask is None else mask.float()
+        out = chunked_attention(query, key, value, attn.scale, mask).to(dtype)
+        hidden_states = attn.to_out[1](attn.to_out[0](attn.batch_to_head_dim(out)))
+        if input_ndim == 4:
+            hidden_states = hidden_states.transpose(-1, -2).reshape(batch, channel, height, width)
+        if attn.residual_connection:
+            hidden_states = hidden_states + residual
+        return hidden_states / attn.rescale_output_factor
+
+
+def set_attention(model: torch.nn.Module, attention: str) -> None:
+    """Give every attention layer of a diffusers model the processor for an export choice."""
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+    processors = {
+        "sdpa": AttnProcessor2_0,
+        "decomposed": AttnProcessor,
+        "chunked": ChunkedAttnProcessor,
+    }
+    if attention not in processors:
+        raise ValueError(f"unknown attention export choice {attention!r}; one of {ATTENTIONS}")
+    model.set_attn_processor(processors[attention]())
