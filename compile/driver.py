@@ -191,8 +191,8 @@ class Builder:
         self._plans: dict = {}
 
     # -- keys ---------------------------------------------------------------------------
-    def export_options(self) -> dict:
-        return dict(self.plan.target.export)
+    def export_options(self, submodule: str) -> dict:
+        return self.plan.target.export_for(submodule)
 
     def export_key(self, submodule: str) -> str:
         p = self.plan
@@ -202,7 +202,7 @@ class Builder:
                 "submodule": submodule,
                 "dtype": p.export_dtype,
                 "shape": [p.batch_size, p.height, p.width],
-                "export": self.export_options(),
+                "export": self.export_options(submodule),
                 "exporter_revision": EXPORTER_REVISION,
                 "versions": self.versions,
             }

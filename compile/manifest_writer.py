@@ -38,6 +38,7 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
             "scope": archives[0][2],
             "extra_parameters": [{"path": rel, "scope": scope} for rel, _, scope in archives[1:]],
             "mlir": _rel(res["mlir"], out),
+            "export": builder.export_options(sub),
             "functions": signatures[sub],
             "flags": res["flags"],
             "tuning_specs": res["tuning_specs"],
@@ -65,7 +66,7 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
             "arch_description": arch.description,
             "arch_cpu_emulated": arch.cpu_emulated,
             "driver": plan.target.driver,
-            "export": builder.export_options(),
+            "export": dict(plan.target.export),
         },
         "dtype": plan.dtype,
         "image": {

@@ -57,6 +57,11 @@ class Target:
     refused_dtypes: dict[str, str] = field(default_factory=dict)  # dtype -> why, every arch
     # Precompute load-time weight transforms at compile (compile/param_encoder.py).
     encode_parameters: bool = False
+    submodule_export: dict[str, dict] = field(default_factory=dict)  # submodule -> overrides
+
+    def export_for(self, submodule: str) -> dict:
+        """The export choices of one submodule: the target's, with its overrides on top."""
+        return {**self.export, **self.submodule_export.get(submodule, {})}
 
     def refusals(self, arch: str) -> dict[str, str]:
         """Dtypes that compile wrong or not at all for this arch, with the reason."""
@@ -165,5 +170,6 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
             },
             refused_dtypes=dict(t.get("refused_dtypes", {})),
             encode_parameters=bool(t.get("encode_parameters", False)),
+            submodule_export={k: dict(v) for k, v in t.get("submodule_export", {}).items()},
         )
     return Registry(specs_dir=specs_dir, targets=targets)

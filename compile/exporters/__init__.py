@@ -39,7 +39,7 @@ def plan_for(builder, submodule: str):
 
     p = builder.plan
     dtype = TORCH_DTYPES[p.export_dtype]
-    options = builder.export_options()
+    options = builder.export_options(submodule)
     attention = options.get("attention", "sdpa")
     conv = options.get("conv", "native")
     model = builder.torch_model(COMPONENTS[submodule])

@@ -117,6 +117,10 @@ def test_export_choice_differs_by_target(compiled):
     # cpu exports its convolutions as Winograd/im2col matmuls, vulkan keeps Conv2d
     cpu32, vk32 = manifest("cpu", "host", "fp32"), manifest("vulkan-spirv", "lavapipe", "fp32")
     assert cpu32["target"]["export"]["conv"] == "winograd"
+    # ... the VAE with F(4x4,3x3), its own choice in the preset, recorded per submodule
+    assert cpu32["submodules"]["unet"]["export"]["conv"] == "winograd"
+    assert cpu32["submodules"]["vae_decoder"]["export"]["conv"] == "winograd4"
+    assert cpu32["submodules"]["vae_decoder"]["mlir"] != vk32["submodules"]["vae_decoder"]["mlir"]
     assert vk32["target"]["export"].get("conv", "native") == "native"
     assert cpu32["submodules"]["unet"]["mlir"] != vk32["submodules"]["unet"]["mlir"]
     # the same export choices and export dtype share one exported MLIR (cpu bf16 over fp32)
@@ -177,7 +181,7 @@ def test_cpu_weights_are_derived_at_export_and_encoded_at_compile(compiled):
     assert len(m.submodules["unet"].extra_parameters) == 1
     vae = m.submodules["vae_decoder"]
     assert [s for _, s in vae.extra_parameters] == ["vae", "vae_decoder_encoded"]
-    assert vae.extra_parameters[0][0].endswith("/vae.winograd2.irpa")
+    assert vae.extra_parameters[0][0].endswith("/vae.winograd4.irpa")  # its F(4x4) weights
     encoded_only = [
         ("vae", m.path(vae.parameters)),
         ("vae_decoder_encoded", out / vae.extra_parameters[1][0]),

@@ -44,6 +44,10 @@ def test_required_presets_exist():
     assert all(REGISTRY.target(t).export["attention"] == "sdpa" for t in ("rocm", "cuda"))
     # cpu: convolutions exported as matmuls, which llvm-cpu data-tiles (tools/PERFORMANCE.md)
     assert REGISTRY.target("cpu").export["conv"] in ("matmul", "winograd")
+    # ... and the VAE's with F(4x4,3x3): its 512x512 activations outweigh its weights
+    cpu = REGISTRY.target("cpu")
+    assert cpu.export_for("unet")["conv"] == "winograd"
+    assert cpu.export_for("vae_decoder") == {"attention": "chunked", "conv": "winograd4"}
     assert REGISTRY.target("cpu").export_dtype("bf16") == "fp32"
     # cuda fp16: 1x1 convs as weight-first einsums and no O3, the two ways iree 3.13 got fp16
     # contractions wrong on an H100 (tools/PERFORMANCE.md, "GPU"); fp32 keeps O3.
@@ -94,3 +98,17 @@ def test_preset_flags_compile(tmp_path, target, arch, dtype):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "m.vmfb").stat().st_size > 0
+
+
+def test_submodules_sharing_weights_share_their_export_conv_choice():
+    """The VAE's decoder and encoder share one model and one derived-weights archive, so a
+    preset giving them different Winograd tiles could not compile (conv_matmul refuses it)."""
+    from sdiree.compile.exporters import SCOPES
+
+    for target in REGISTRY.targets.values():
+        for sub in target.submodule_export:
+            assert sub in SCOPES, f"{target.name}: unknown submodule {sub} in submodule_export"
+        for scope in set(SCOPES.values()):
+            subs = [s for s, sc in SCOPES.items() if sc == scope]
+            convs = {target.export_for(s).get("conv", "native") for s in subs}
+            assert len(convs) == 1, (target.name, scope, convs)

@@ -1,4 +1,5 @@
-"""conv `matmul`, `winograd` and `pointwise_einsum` export choices compute what Conv2d computes."""
+"""conv `matmul`, `winograd`, `winograd4` and `pointwise_einsum` export choices compute what
+Conv2d computes."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def test_winograd_matches_conv2d(m, cin, cout, h, w, stride, applies):
     assert rel < (2e-6 if m == 2 else 3e-5), rel
 
 
-@pytest.mark.parametrize("conv", ["matmul", "winograd", "pointwise_einsum"])
+@pytest.mark.parametrize("conv", ["matmul", "winograd", "winograd4", "pointwise_einsum"])
 def test_rewrites_a_unet_without_changing_outputs_or_parameter_names(conv):
     from diffusers import UNet2DConditionModel
 
@@ -143,3 +144,26 @@ def test_winograd_weights_are_derived_parameters_with_the_same_result(tmp_path):
     assert [n for n in model.state_dict() if is_derived(n)] == derived
     assert set_conv_lowering(torch.nn.Sequential(torch.nn.Conv2d(4, 4, 1)), "winograd") is None
     assert set_conv_lowering(torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3)), "native") is None
+
+
+def test_winograd4_derives_its_own_weights_and_refuses_a_second_tile_on_the_same_model():
+    """`winograd4` adds F(4x4,3x3) weights (36 per channel pair) to their own archive tag and
+    uses them; a second plan on the same model (the VAE's decoder and encoder share one) asking
+    for the other tile is refused, since both would read one `<conv>.weight_winograd`."""
+    from sdiree.compile.exporters.conv_matmul import set_conv_lowering
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1)).eval()
+    x = torch.randn(1, 4, 16, 16)
+    with torch.no_grad():
+        ref = model(x)
+        assert set_conv_lowering(model, "winograd4") == "winograd4"
+        assert model[0].weight_winograd.shape == (36, 4, 8)
+        torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
+        model[0].weight_winograd.mul_(2)
+        assert (model(x) - ref).abs().max() > 1e-2
+    assert set_conv_lowering(model, "winograd4") == "winograd4"  # the same tile again is fine
+    with pytest.raises(ValueError, match=r"F\(4x4,3x3\) weights, not F\(2x2,3x3\)"):
+        set_conv_lowering(model, "winograd")
+    with pytest.raises(ValueError, match="export conv choice must be one of"):
+        set_conv_lowering(model, "winograd8")
