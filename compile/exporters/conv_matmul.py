@@ -1,4 +1,4 @@
-"""Export choices `conv: "matmul"` and `"winograd"`: every Conv2d traced as plain matmuls.
+"""Export choices `conv: "matmul"`, `"winograd"` and `"winograd4"`: every Conv2d traced as matmuls.
 
 IREE's llvm-cpu backend data-tiles plain matmuls onto its mmt4d ukernels (~2x the throughput of
 its direct NCHW convolutions on this kind of CPU), but it does not data-tile convolutions, nor
