@@ -27,8 +27,30 @@ class Session:
 
         self.manifest = manifest
         self.device_info = device_info
+        submodules = tuple(submodules)
         if device_info.driver in CPU_DRIVERS:
             keep_freed_host_memory()
+        try:
+            self._open(submodules)
+        except RuntimeError as e:
+            # lavapipe rarely loses its device while the context loads parameters; a fresh
+            # device then loads them fine. A second loss goes to the caller.
+            if not is_device_lost(e):
+                raise
+            self._open(submodules)
+        self._functions = {}
+        for name, vm in self._vm_modules.items():
+            for fname in manifest.submodules[name].functions:
+                fn = vm.lookup_function(fname)
+                if fn is None:
+                    raise UserError(f"{name}.vmfb has no function {fname}; recompile the model")
+                self._functions[(name, fname)] = rt.FunctionInvoker(self.context, self.device, fn)
+
+    def _open(self, submodules: Iterable[str]) -> None:
+        """Create the device, then one context holding the parameters and modules on it."""
+        import iree.runtime as rt
+
+        manifest, device_info = self.manifest, self.device_info
         self.device = create_device(device_info)
         self.instance = rt.VmInstance()
         hal = rt.create_hal_module(self.instance, self.device)
@@ -46,13 +68,6 @@ class Session:
             sub = manifest.submodules[name]
             self._vm_modules[name] = rt.VmModule.mmap(self.instance, str(manifest.path(sub.vmfb)))
         self.context = rt.VmContext(self.instance, modules=[*modules, *self._vm_modules.values()])
-        self._functions = {}
-        for name, vm in self._vm_modules.items():
-            for fname in manifest.submodules[name].functions:
-                fn = vm.lookup_function(fname)
-                if fn is None:
-                    raise UserError(f"{name}.vmfb has no function {fname}; recompile the model")
-                self._functions[(name, fname)] = rt.FunctionInvoker(self.context, self.device, fn)
 
     def decl(self, submodule: str, function: str) -> FunctionDecl:
         return self.manifest.submodules[submodule].functions[function]
@@ -84,7 +99,12 @@ def parameter_providers(archives: list[tuple[str, Path]]) -> list:
 
 
 def is_device_lost(error: BaseException) -> bool:
-    return isinstance(error, RuntimeError) and "DEVICE_LOST" in str(error)
+    """VK_ERROR_DEVICE_LOST, or the DATA_LOSS a fence await reports when its queue failed with
+    it (the message then names no Vulkan error)."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and (
+        "DEVICE_LOST" in text or ("DATA_LOSS" in text and "hal.fence.await" in text)
+    )
 
 
 def with_fresh_device_on_loss(

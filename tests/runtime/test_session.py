@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from sdiree.runtime import generate, session
@@ -56,6 +57,38 @@ def test_second_loss_is_one_clear_error(cpu_art, tmp_path, monkeypatch):
         generate.generate_to_files(artifact_dir=cpu_art, prompt="a cat", steps=2, output=out)
     assert "\n" not in str(info.value) and "--device" in str(info.value)
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "message", [LOST, "DATA_LOSS; while invoking native function hal.fence.await"]
+)
+def test_a_loss_while_loading_is_retried_inside_the_session(cpu_art, monkeypatch, message):
+    """A device lost while the context loads parameters (lavapipe, rarely; the fence await
+    may report it as a bare DATA_LOSS) costs one more load on a fresh device, not the caller's
+    retry; a second loss there goes to the caller."""
+    import iree.runtime as rt
+
+    from sdiree.runtime.device import list_devices
+
+    real, made = rt.VmContext, []
+
+    def flaky(*args, failures=1, **kwargs):
+        made.append(None)
+        if len(made) <= failures:
+            raise RuntimeError(message)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rt, "VmContext", flaky)
+    manifest, info = load_manifest(cpu_art), list_devices("local-task")[0]
+    s = session.Session(manifest, info, iter(["text_encoder"]))
+    assert len(made) == 2 and s.context is not None
+    (ids,) = [np.zeros(d.shape, d.dtype) for d in s.decl("text_encoder", "encode").inputs]
+    assert all(np.isfinite(o).all() for o in s.call("text_encoder", "encode", ids))
+    made.clear()
+    monkeypatch.setattr(rt, "VmContext", lambda *a, **k: flaky(*a, failures=2, **k))
+    with pytest.raises(RuntimeError, match="DATA_LOSS"):
+        session.Session(manifest, info, ["text_encoder"])
+    assert len(made) == 2
 
 
 def test_other_errors_are_not_retried(cpu_art, monkeypatch):
