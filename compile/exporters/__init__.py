@@ -64,7 +64,10 @@ def plan_for(builder, submodule: str):
             dtype=dtype,
             attention=attention,
             conv=conv,
+            winograd4_min_side=options.get("winograd4_min_side"),
         )
+    if "winograd4_min_side" in options:
+        raise ValueError(f"export option winograd4_min_side applies to the unet, not {submodule}")
     vae_plan = plan_vae_decoder if submodule == "vae_decoder" else plan_vae_encoder
     return vae_plan(
         model,

@@ -15,6 +15,9 @@ hoisted by IREE and, for targets with `encode_parameters`, computed at compile t
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import types
 
 import torch
@@ -187,47 +190,95 @@ LOWERINGS = {
 }
 
 
-def convs_as_matmuls(model: torch.nn.Module, conv: str = "matmul") -> int:
+def convs_as_matmuls(model: torch.nn.Module, conv: str = "matmul", tiles=None) -> int:
     """Rebind the forward of every supported Conv2d in `model` to the lowering named conv;
-    returns how many."""
+    returns how many. tiles ({conv: m}) picks a Winograd conv's own tile size."""
     forward = LOWERINGS[conv]
     count = 0
     for m in model.modules():
         if isinstance(m, torch.nn.Conv2d) and _supported(m):
-            m.forward = types.MethodType(forward, m)
+            tile = (tiles or {}).get(m)
+            lowering = forward if tile is None else functools.partial(conv2d_winograd, m=tile)
+            m.forward = types.MethodType(lowering, m)
             count += 1
     return count
 
 
-def add_winograd_weights(model: torch.nn.Module, m: int = WINOGRAD_TILE) -> int:
+def conv_input_sides(model: torch.nn.Module, run) -> dict[torch.nn.Conv2d, int]:
+    """The smaller spatial side of the input each Conv2d of model gets in run(), a forward of
+    model on inputs it makes itself; run on fake tensors, so nothing is computed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    sides = {}
+
+    def record(mod, args):
+        sides[mod] = min(args[0].shape[-2:])
+
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    hooks = [m.register_forward_pre_hook(record) for m in convs]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return sides
+
+
+def tiles_by_side(sides: dict, small: int, large: int, min_side: int) -> dict:
+    """{conv: tile}: the large tile where the conv's input side is at least min_side. Large
+    inputs are where a bigger tile pays: its saving grows with the activations, while its cost
+    (transformed weights (m+2)^2/9 the 3x3 weights) does not."""
+    return {conv: large if side >= min_side else small for conv, side in sides.items()}
+
+
+def _eligible_3x3(mod) -> bool:
+    return (
+        isinstance(mod, torch.nn.Conv2d)
+        and _supported(mod)
+        and tuple(mod.kernel_size) == (3, 3)
+        and tuple(mod.stride) == (1, 1)
+        and tuple(mod.padding) == (1, 1)
+    )
+
+
+def add_winograd_weights(model: torch.nn.Module, m: int = WINOGRAD_TILE, tiles=None) -> dict:
     """Give every 3x3, stride-1, padding-1 Conv2d of model its transformed weight as a parameter
-    of its own (`<conv>.weight_winograd`), computed here in float64 from the original. Returns
-    how many convs have one."""
-    count = 0
-    for mod in model.modules():
-        eligible = (
-            isinstance(mod, torch.nn.Conv2d)
-            and _supported(mod)
-            and tuple(mod.kernel_size) == (3, 3)
-            and tuple(mod.stride) == (1, 1)
-            and tuple(mod.padding) == (1, 1)
-        )
-        if not eligible:
+    of its own (`<conv>.weight_winograd`), computed here in float64 from the original, for
+    tile m or the conv's own in tiles. Returns {conv name: tile} of the convs that have one."""
+    out = {}
+    for name, mod in model.named_modules():
+        if not _eligible_3x3(mod):
             continue
+        tile = (tiles or {}).get(mod, m)
         have = getattr(mod, WINOGRAD_PARAM, None)
-        if have is not None and have.shape[0] != (m + 2) ** 2:
+        if have is not None and have.shape[0] != (tile + 2) ** 2:
             # The VAE's decoder and encoder share one model and one derived-weights archive.
             had = round(have.shape[0] ** 0.5) - 2
             raise ValueError(
-                f"this model already has Winograd F({had}x{had},3x3) weights, not F({m}x{m},3x3): "
-                "give submodules that share weights the same export conv choice"
+                f"this model already has Winograd F({had}x{had},3x3) weights, not "
+                f"F({tile}x{tile},3x3): give submodules that share weights the same export "
+                "conv choice"
             )
         if have is None:  # else a second plan on the same model (the VAE's)
             with torch.no_grad():
-                u = winograd_weight(mod.weight.detach().double(), m).to(mod.weight.dtype)
+                u = winograd_weight(mod.weight.detach().double(), tile).to(mod.weight.dtype)
             mod.register_parameter(WINOGRAD_PARAM, torch.nn.Parameter(u, requires_grad=False))
-        count += 1
-    return count
+        out[name] = tile
+    return out
+
+
+def derived_tag(tiles_by_name: dict[str, int]) -> str | None:
+    """The name of a derived-weights archive: `winograd<m>` when every conv has tile m, else
+    the tiles and a digest of which conv has which (archives are reused by name, and the same
+    rule gives other convs other tiles at another image size)."""
+    used = sorted(set(tiles_by_name.values()))
+    if not used:
+        return None
+    if len(used) == 1:
+        return f"winograd{used[0]}"
+    digest = hashlib.sha256(json.dumps(sorted(tiles_by_name.items())).encode()).hexdigest()
+    return f"winograd{'+'.join(map(str, used))}-{digest[:8]}"
 
 
 def is_derived(name: str) -> bool:
@@ -235,15 +286,18 @@ def is_derived(name: str) -> bool:
     return name.endswith("." + WINOGRAD_PARAM)
 
 
-def set_conv_lowering(model: torch.nn.Module, conv: str) -> str | None:
-    """Apply the target's `export.conv` choice to every Conv2d of model. Returns a tag naming
-    the derived parameters it added (None when it added none)."""
+def set_conv_lowering(
+    model: torch.nn.Module, conv: str, tiles: dict[torch.nn.Conv2d, int] | None = None
+) -> str | None:
+    """Apply the target's `export.conv` choice to every Conv2d of model, with tiles ({conv:
+    m}, Winograd choices only) overriding the choice's tile per conv. Returns a tag naming the
+    derived parameters it added (None when it added none)."""
     if conv not in CONV_CHOICES:
         raise ValueError(f"export conv choice must be one of {CONV_CHOICES}, not {conv!r}")
+    m = WINOGRAD_TILES.get(conv)
+    if tiles and not m:
+        raise ValueError(f"per-conv Winograd tiles need a Winograd conv choice, not {conv!r}")
     if conv == "native":
         return None
-    convs_as_matmuls(model, conv)
-    m = WINOGRAD_TILES.get(conv)
-    if m and add_winograd_weights(model, m):
-        return f"winograd{m}"
-    return None
+    convs_as_matmuls(model, conv, tiles)
+    return derived_tag(add_winograd_weights(model, m, tiles)) if m else None

@@ -11,7 +11,7 @@ import torch
 
 from .attention import set_attention
 from .base import NUMPY_DTYPE_NAMES, ExportPlan, FunctionSpec, TensorSpec
-from .conv_matmul import set_conv_lowering
+from .conv_matmul import WINOGRAD_TILES, conv_input_sides, set_conv_lowering, tiles_by_side
 from .norm_precision import group_norms_in_fp32
 
 
@@ -34,16 +34,28 @@ def plan_unet(
     dtype: torch.dtype,
     attention: str,
     conv: str = "native",
+    winograd4_min_side: int | None = None,
 ) -> ExportPlan:
+    channels = unet.config.in_channels
+    out_channels = unet.config.out_channels
+    h, w = latent_hw
+    tiles = None
+    if winograd4_min_side:  # F(4x4) where a conv's input is large, the conv choice's tile elsewhere
+        sides = conv_input_sides(
+            unet,
+            lambda: unet(
+                torch.zeros(2 * batch, channels, h, w),
+                torch.zeros(1),
+                torch.zeros(2 * batch, text_len, text_dim),
+            ),
+        )
+        tiles = tiles_by_side(sides, WINOGRAD_TILES.get(conv, 0), 4, winograd4_min_side)
     set_attention(unet, attention)
-    derived = set_conv_lowering(unet, conv)
+    derived = set_conv_lowering(unet, conv, tiles)
     group_norms_in_fp32(unet, dtype)
     unet = unet.to(dtype).eval()
     entry = UNetEntry(unet)
     dt = NUMPY_DTYPE_NAMES[dtype]
-    channels = unet.config.in_channels
-    out_channels = unet.config.out_channels
-    h, w = latent_hw
 
     def denoise_cfg(root, sample, timestep, encoder_hidden_states):
         return root(sample, timestep, encoder_hidden_states)
@@ -69,6 +81,6 @@ def plan_unet(
         root=entry,
         params_module=unet,
         functions=[spec(denoise_cfg, 2 * batch), spec(denoise, batch)],
-        options={"attention": attention, "conv": conv},
+        options={"attention": attention, "conv": conv, "winograd4_min_side": winograd4_min_side},
         derived=derived,
     )

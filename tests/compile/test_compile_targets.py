@@ -119,6 +119,7 @@ def test_export_choice_differs_by_target(compiled):
     assert cpu32["target"]["export"]["conv"] == "winograd"
     # ... the VAE with F(4x4,3x3), its own choice in the preset, recorded per submodule
     assert cpu32["submodules"]["unet"]["export"]["conv"] == "winograd"
+    assert cpu32["submodules"]["unet"]["export"]["winograd4_min_side"] == 32
     assert cpu32["submodules"]["vae_decoder"]["export"]["conv"] == "winograd4"
     assert cpu32["submodules"]["vae_decoder"]["mlir"] != vk32["submodules"]["vae_decoder"]["mlir"]
     assert vk32["target"]["export"].get("conv", "native") == "native"

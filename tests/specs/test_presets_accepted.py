@@ -47,6 +47,9 @@ def test_required_presets_exist():
     # ... and the VAE's with F(4x4,3x3): its 512x512 activations outweigh its weights
     cpu = REGISTRY.target("cpu")
     assert cpu.export_for("unet")["conv"] == "winograd"
+    # ... with F(4x4,3x3) on the UNet's convs whose input is 32x32 or larger (64² and 32² at
+    # 512x512), where the activations outweigh the 4x larger transformed weights
+    assert cpu.export_for("unet")["winograd4_min_side"] == 32
     assert cpu.export_for("vae_decoder") == {"attention": "chunked", "conv": "winograd4"}
     assert REGISTRY.target("cpu").export_dtype("bf16") == "fp32"
     # cuda fp16: 1x1 convs as weight-first einsums and no O3, the two ways iree 3.13 got fp16
@@ -112,3 +115,7 @@ def test_submodules_sharing_weights_share_their_export_conv_choice():
             subs = [s for s, sc in SCOPES.items() if sc == scope]
             convs = {target.export_for(s).get("conv", "native") for s in subs}
             assert len(convs) == 1, (target.name, scope, convs)
+        # per-conv tiles are chosen by the UNet exporter only (plan_for refuses them elsewhere)
+        for sub in SCOPES:
+            if sub != "unet":
+                assert "winograd4_min_side" not in target.export_for(sub), (target.name, sub)

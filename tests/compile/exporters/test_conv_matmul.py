@@ -167,3 +167,62 @@ def test_winograd4_derives_its_own_weights_and_refuses_a_second_tile_on_the_same
         set_conv_lowering(model, "winograd")
     with pytest.raises(ValueError, match="export conv choice must be one of"):
         set_conv_lowering(model, "winograd8")
+
+
+def test_winograd4_min_side_gives_large_inputs_f4_and_names_the_mix():
+    """plan_unet with winograd4_min_side: a fake-tensor forward records each conv's input size;
+    3x3 convs on inputs at least that large get F(4x4,3x3) weights and the rest the conv
+    choice's F(2x2); outputs still match; the derived archive's tag names the assignment, so
+    another latent size (another assignment) gets another archive."""
+    from diffusers import UNet2DConditionModel
+
+    from sdiree.compile.exporters.unet import plan_unet
+
+    def tiny():
+        torch.manual_seed(0)
+        return UNet2DConditionModel(
+            sample_size=16,
+            block_out_channels=(16, 32),
+            layers_per_block=1,
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=16,
+            norm_num_groups=8,
+            attention_head_dim=4,
+        ).eval()
+
+    def plan(latent, min_side):
+        return plan_unet(
+            tiny(), batch=1, latent_hw=(latent, latent), text_len=5, text_dim=16,
+            dtype=torch.float32, attention="decomposed", conv="winograd",
+            winograd4_min_side=min_side,
+        )  # fmt: skip
+
+    p = plan(16, 16)
+    unet = p.params_module
+    tiles = {
+        name: m.weight_winograd.shape[0]
+        for name, m in unet.named_modules()
+        if hasattr(m, "weight_winograd")
+    }
+    # 16x16 level: conv_in, down 0, up 1 and the upsampler's conv; 8x8: down 1, up 0, mid
+    assert tiles["conv_in"] == tiles["down_blocks.0.resnets.0.conv1"] == 36
+    assert tiles["up_blocks.0.upsamplers.0.conv"] == tiles["conv_out"] == 36
+    assert tiles["down_blocks.1.resnets.0.conv1"] == tiles["mid_block.resnets.0.conv2"] == 16
+    assert p.derived.startswith("winograd2+4-")
+    assert p.options["winograd4_min_side"] == 16
+
+    ref = tiny()
+    x, t, e = torch.randn(2, 4, 16, 16), torch.tensor(10.0), torch.randn(2, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(unet(x, t, e).sample, ref(x, t, e).sample, rtol=1e-4, atol=2e-5)
+        unet.conv_in.weight_winograd.mul_(2)
+        assert (unet(x, t, e).sample - ref(x, t, e).sample).abs().max() > 1e-3
+
+    assert plan(32, 16).derived == "winograd4"  # every level large enough
+    assert plan(16, 64).derived == "winograd2"  # none large enough
+    with pytest.raises(ValueError, match="need a Winograd conv choice"):
+        plan_unet(
+            tiny(), batch=1, latent_hw=(16, 16), text_len=5, text_dim=16,
+            dtype=torch.float32, attention="decomposed", conv="matmul", winograd4_min_side=16,
+        )  # fmt: skip
