@@ -2,20 +2,22 @@
 
 Artifacts are compiled through the same code path as `sdiree compile` and cached for the whole
 test session, so compile tests and runtime tests share them. When the compile tests are
-collected, the artifacts they will ask for are compiled ahead, one at a time, by a background
-`sdiree compile` process beside the test that is running: each compile leaves much of this
-machine's second core idle (export is single-threaded), and these compiles are most of the
-suite's time.
+collected, the artifacts they will ask for are queued for a background `sdiree compile`
+process that works through them beside the tests, while a test that needs one not started yet
+compiles it itself: one compile keeps this 2-core machine ~1.1 cores busy (export is
+single-threaded), and these compiles are most of the suite's time.
 """
 
 from __future__ import annotations
 
 import io
-import subprocess
+import os
+import signal
 import sys
 import threading
 from concurrent.futures import Future
 from pathlib import Path
+from subprocess import PIPE, STDOUT, Popen
 
 import pytest
 
@@ -56,46 +58,77 @@ def pytest_collection_modifyitems(items):
 
 
 class CompiledArtifacts:
-    """Compile-once cache keyed by (target, arch, dtype)."""
+    """Compile-once cache keyed by (target, arch, dtype), with an optional queue of keys that a
+    background process compiles one after another while the tests run. get() takes a queued key
+    that the background has not started yet and compiles it itself, so both cores stay busy."""
 
     def __init__(self, model: Path, root: Path):
         self.model = model
         self.root = root
         self._done: dict = {}
-        self._ahead: dict[tuple, Future] = {}
+        self._lock = threading.Lock()
+        self._queue: list[tuple] = []  # not started yet
+        self._ahead: dict[tuple, Future] = {}  # started in the background
+        self._proc: Popen | None = None
+        self._stopped = False
 
     def out_dir(self, target: str, arch: str, dtype: str) -> Path:
         return self.root / "tiny-sd" / f"{target}-{arch}-{dtype}"
 
     def compile_ahead(self, keys) -> None:
-        """Compile keys one after another in a background process; get() waits for them."""
-        for key in keys:
-            self._ahead[key] = Future()
-        threading.Thread(target=self._run_ahead, args=(keys,), daemon=True).start()
+        self._queue = list(keys)
+        threading.Thread(target=self._run_ahead, daemon=True).start()
 
-    def _run_ahead(self, keys) -> None:
-        for key in keys:
+    def _take(self) -> tuple | None:
+        with self._lock:
+            if self._stopped or not self._queue:
+                return None
+            key = self._queue.pop(0)
+            self._ahead[key] = Future()
+            return key
+
+    def _run_ahead(self) -> None:
+        while (key := self._take()) is not None:
             target, arch, dtype = key
             cmd = [
-                sys.executable, "-c", "from sdiree.runtime.cli import main; main()",
-                "compile", str(self.model), "--target", target, "--arch", arch,
-                "--dtype", dtype, "--out", str(self.out_dir(*key)),
+                sys.executable, "-m", "sdiree.runtime.cli", "compile", str(self.model),
+                "--target", target, "--arch", arch, "--dtype", dtype,
+                "--out", str(self.out_dir(*key)),
             ]  # fmt: skip
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            self._ahead[key].set_result(done)
+            try:
+                # its own process group: stop_ahead() kills it with its iree-compile child
+                self._proc = Popen(
+                    cmd, stdout=PIPE, stderr=STDOUT, text=True, start_new_session=True
+                )
+                output, _ = self._proc.communicate()
+                self._ahead[key].set_result((self._proc.returncode, output))
+            except BaseException as error:  # handed to the test that waits for it
+                self._ahead[key].set_exception(error)
+
+    def stop_ahead(self) -> None:
+        """At the session's end: no compile goes on writing into its temporary folders."""
+        with self._lock:
+            self._stopped = True
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
     def get(self, target: str, arch: str, dtype: str) -> Path:
         key = (target, arch, dtype)
-        if key in self._ahead and key not in self._done:
-            done = self._ahead[key].result()
-            if done.returncode != 0:
-                raise RuntimeError(f"compile {key} failed:\n{done.stdout}\n{done.stderr}")
-            self._done[key] = self.out_dir(*key)
-        if key not in self._done:
+        if key in self._done:
+            return self._done[key]
+        with self._lock:
+            if key in self._queue:
+                self._queue.remove(key)  # not started: compiled here instead
+            started = self._ahead.get(key)
+        if started is not None:
+            code, output = started.result()
+            if code != 0:
+                raise RuntimeError(f"compile {key} failed (exit {code}):\n{output}")
+        else:
             from sdiree.compile.driver import CompileOptions, compile_model
             from sdiree.compile.report import Reporter
 
-            log = io.StringIO()
             compile_model(
                 CompileOptions(
                     model_dir=self.model,
@@ -104,15 +137,16 @@ class CompiledArtifacts:
                     dtype=dtype,
                     out=self.out_dir(*key),
                 ),
-                Reporter(stream=log),
+                Reporter(stream=io.StringIO()),
             )
-            self._done[key] = self.out_dir(*key)
+        self._done[key] = self.out_dir(*key)
         return self._done[key]
 
 
 @pytest.fixture(scope="session")
-def compiled(tiny_model, artifacts_root) -> CompiledArtifacts:
+def compiled(tiny_model, artifacts_root):
     artifacts = CompiledArtifacts(tiny_model, artifacts_root)
     if _ahead_wanted:
         artifacts.compile_ahead(AHEAD)
-    return artifacts
+    yield artifacts
+    artifacts.stop_ahead()

@@ -73,13 +73,13 @@ def test_winograd_matches_conv2d(m, cin, cout, h, w, stride, applies):
     assert rel < (2e-6 if m == 2 else 3e-5), rel
 
 
-@pytest.mark.parametrize("conv", ["matmul", "winograd", "winograd4", "pointwise_einsum"])
-def test_rewrites_a_unet_without_changing_outputs_or_parameter_names(conv):
+def tiny_unet(sample_size: int):
+    """A two-level SD-style UNet (cross-attention at the top level), seeded."""
     from diffusers import UNet2DConditionModel
 
     torch.manual_seed(0)
-    unet = UNet2DConditionModel(
-        sample_size=8,
+    return UNet2DConditionModel(
+        sample_size=sample_size,
         block_out_channels=(16, 32),
         layers_per_block=1,
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
@@ -88,6 +88,11 @@ def test_rewrites_a_unet_without_changing_outputs_or_parameter_names(conv):
         norm_num_groups=8,
         attention_head_dim=4,
     ).eval()
+
+
+@pytest.mark.parametrize("conv", ["matmul", "winograd", "winograd4", "pointwise_einsum"])
+def test_rewrites_a_unet_without_changing_outputs_or_parameter_names(conv):
+    unet = tiny_unet(8)
     names = list(unet.state_dict())
     x, t, e = torch.randn(2, 4, 8, 8), torch.tensor(10.0), torch.randn(2, 5, 16)
     with torch.no_grad():
@@ -174,26 +179,11 @@ def test_winograd4_min_side_gives_large_inputs_f4_and_names_the_mix():
     3x3 convs on inputs at least that large get F(4x4,3x3) weights and the rest the conv
     choice's F(2x2); outputs still match; the derived archive's tag names the assignment, so
     another latent size (another assignment) gets another archive."""
-    from diffusers import UNet2DConditionModel
-
     from sdiree.compile.exporters.unet import plan_unet
-
-    def tiny():
-        torch.manual_seed(0)
-        return UNet2DConditionModel(
-            sample_size=16,
-            block_out_channels=(16, 32),
-            layers_per_block=1,
-            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-            cross_attention_dim=16,
-            norm_num_groups=8,
-            attention_head_dim=4,
-        ).eval()
 
     def plan(latent, min_side):
         return plan_unet(
-            tiny(), batch=1, latent_hw=(latent, latent), text_len=5, text_dim=16,
+            tiny_unet(16), batch=1, latent_hw=(latent, latent), text_len=5, text_dim=16,
             dtype=torch.float32, attention="decomposed", conv="winograd",
             winograd4_min_side=min_side,
         )  # fmt: skip
@@ -212,7 +202,7 @@ def test_winograd4_min_side_gives_large_inputs_f4_and_names_the_mix():
     assert p.derived.startswith("winograd2+4-")
     assert p.options["winograd4_min_side"] == 16
 
-    ref = tiny()
+    ref = tiny_unet(16)
     x, t, e = torch.randn(2, 4, 16, 16), torch.tensor(10.0), torch.randn(2, 5, 16)
     with torch.no_grad():
         torch.testing.assert_close(unet(x, t, e).sample, ref(x, t, e).sample, rtol=1e-4, atol=2e-5)
@@ -223,6 +213,6 @@ def test_winograd4_min_side_gives_large_inputs_f4_and_names_the_mix():
     assert plan(16, 64).derived == "winograd2"  # none large enough
     with pytest.raises(ValueError, match="need a Winograd conv choice"):
         plan_unet(
-            tiny(), batch=1, latent_hw=(16, 16), text_len=5, text_dim=16,
+            tiny_unet(16), batch=1, latent_hw=(16, 16), text_len=5, text_dim=16,
             dtype=torch.float32, attention="decomposed", conv="matmul", winograd4_min_side=16,
         )  # fmt: skip
