@@ -49,7 +49,8 @@ def plan_unet(
                 torch.zeros(2 * batch, text_len, text_dim),
             ),
         )
-        tiles = tiles_by_side(sides, WINOGRAD_TILES.get(conv, 0), 4, winograd4_min_side)
+        small, large = WINOGRAD_TILES.get(conv, 0), WINOGRAD_TILES["winograd4"]
+        tiles = tiles_by_side(sides, small, large, winograd4_min_side)
     set_attention(unet, attention)
     derived = set_conv_lowering(unet, conv, tiles)
     group_norms_in_fp32(unet, dtype)
