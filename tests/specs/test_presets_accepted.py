@@ -79,28 +79,42 @@ def test_refused_dtypes_are_refused_with_their_reason_and_defaults_fall_back():
             assert all(d in t.dtypes for d in t.refusals(a)), "a refusal names a known dtype"
 
 
-@pytest.mark.parametrize("target,arch,dtype", PRESETS)
-def test_preset_flags_compile(tmp_path, target, arch, dtype):
+def _compile(tmp_path, name: str, mlir: str, flags) -> bytes:
     from sdiree.compile.iree_compile import iree_compile_tool
 
-    t = REGISTRY.target(target)
-    src = tmp_path / "m.mlir"
-    src.write_text(MLIR)
+    src, out = tmp_path / f"{name}.mlir", tmp_path / f"{name}.vmfb"
+    src.write_text(mlir)
     proc = subprocess.run(
-        [
-            iree_compile_tool(),
-            str(src),
-            "-o",
-            str(tmp_path / "m.vmfb"),
-            *t.flags,
-            *t.arch(arch).flags,
-            *t.dtype_flags(dtype),
-        ],
-        capture_output=True,
-        text=True,
+        [iree_compile_tool(), str(src), "-o", str(out), *flags], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (tmp_path / "m.vmfb").stat().st_size > 0
+    return out.read_bytes()
+
+
+@pytest.mark.parametrize("target,arch,dtype", PRESETS)
+def test_preset_flags_compile(tmp_path, target, arch, dtype):
+    t = REGISTRY.target(target)
+    flags = [
+        *t.flags,
+        *t.arch(arch).flags,
+        *t.dtype_flags(dtype),
+        *(f for flags in t.submodule_flags.values() for f in flags),
+    ]
+    assert len(_compile(tmp_path, "m", MLIR, flags)) > 0
+
+
+def test_cpu_submodule_flags_take_effect(tmp_path):
+    """A flag iree-compile accepts can still change nothing (compile/NOTES.md lists some): the
+    UNet's own cpu flags must change the module of a UNet-sized matmul (the distribution tile
+    of a data-tiled matmul, here 128 workgroups -> 8)."""
+    t = REGISTRY.target("cpu")
+    base = [*t.flags, *t.arch(t.default_arch).flags]
+    m, k, n = 2048, 320, 320
+    mlir = MLIR.replace("4x8", f"{m}x{k}").replace("8x16", f"{k}x{n}").replace("4x16", f"{m}x{n}")
+    assert t.submodule_flags["unet"], "the cpu preset sets UNet-only flags"
+    plain = _compile(tmp_path, "plain", mlir, base)
+    tuned = _compile(tmp_path, "unet", mlir, [*base, *t.submodule_flags["unet"]])
+    assert plain != tuned
 
 
 def test_submodules_sharing_weights_share_their_export_conv_choice():
@@ -109,8 +123,8 @@ def test_submodules_sharing_weights_share_their_export_conv_choice():
     from sdiree.compile.exporters import SCOPES
 
     for target in REGISTRY.targets.values():
-        for sub in target.submodule_export:
-            assert sub in SCOPES, f"{target.name}: unknown submodule {sub} in submodule_export"
+        for sub in (*target.submodule_export, *target.submodule_flags):
+            assert sub in SCOPES, f"{target.name}: unknown submodule {sub} in its registry entry"
         for scope in set(SCOPES.values()):
             subs = [s for s, sc in SCOPES.items() if sc == scope]
             convs = {target.export_for(s).get("conv", "native") for s in subs}
