@@ -108,14 +108,17 @@ def _combine(coeffs, terms):
     return out
 
 
-def winograd_applies(conv: torch.nn.Conv2d, x: torch.Tensor, m: int = WINOGRAD_TILE) -> bool:
+def _winograd_kernel(conv: torch.nn.Conv2d) -> bool:
+    """3x3, stride 1, padding 1: the convolutions Winograd F(m x m, 3x3) computes."""
     return (
         tuple(conv.kernel_size) == (3, 3)
         and tuple(conv.stride) == (1, 1)
         and tuple(conv.padding) == (1, 1)
-        and x.shape[2] % m == 0
-        and x.shape[3] % m == 0
     )
+
+
+def winograd_applies(conv: torch.nn.Conv2d, x: torch.Tensor, m: int = WINOGRAD_TILE) -> bool:
+    return _winograd_kernel(conv) and x.shape[2] % m == 0 and x.shape[3] % m == 0
 
 
 def winograd_weight(weight: torch.Tensor, m: int = WINOGRAD_TILE) -> torch.Tensor:
@@ -233,13 +236,7 @@ def tiles_by_side(sides: dict, small: int, large: int, min_side: int) -> dict:
 
 
 def _eligible_3x3(mod) -> bool:
-    return (
-        isinstance(mod, torch.nn.Conv2d)
-        and _supported(mod)
-        and tuple(mod.kernel_size) == (3, 3)
-        and tuple(mod.stride) == (1, 1)
-        and tuple(mod.padding) == (1, 1)
-    )
+    return isinstance(mod, torch.nn.Conv2d) and _supported(mod) and _winograd_kernel(mod)
 
 
 def add_winograd_weights(model: torch.nn.Module, m: int = WINOGRAD_TILE, tiles=None) -> dict:

@@ -98,7 +98,7 @@ def test_preset_flags_compile(tmp_path, target, arch, dtype):
         *t.flags,
         *t.arch(arch).flags,
         *t.dtype_flags(dtype),
-        *(f for flags in t.submodule_flags.values() for f in flags),
+        *(f for sub_flags in t.submodule_flags.values() for f in sub_flags),
     ]
     assert len(_compile(tmp_path, "m", MLIR, flags)) > 0
 
