@@ -157,12 +157,7 @@ def _check_writable(out: Path) -> None:
 def flags_for(plan: Plan, submodule: str) -> tuple[list[str], dict[str, str]]:
     """The full iree-compile flag list for a submodule, and {spec path: sha256} it uses."""
     t = plan.target
-    flags = [
-        *t.flags,
-        *t.arch(plan.arch).flags,
-        *t.dtype_flags(plan.dtype),
-        *t.submodule_flags.get(submodule, ()),
-    ]
+    flags = t.compile_flags(plan.arch, plan.dtype, submodule)
     specs = {}
     spec_rel = t.tuning_specs.get(submodule) or t.tuning_specs.get("*")
     if spec_rel:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from .cpu_features import host_cpu_features
 from .errors import UserError
 
 SCHEMA_VERSION = 1
@@ -26,6 +27,13 @@ class Arch:
     device_match: tuple[str, ...] = ()
     cpu_emulated: bool = False
     refused_dtypes: dict[str, str] = field(default_factory=dict)  # dtype -> why
+    # cpu presets: the chip's features (/proc/cpuinfo names), or "host" for the compiling machine's
+    cpu_features: tuple[str, ...] | str = ()
+
+    def features(self) -> frozenset[str]:
+        if self.cpu_features == "host":
+            return host_cpu_features()
+        return frozenset(self.cpu_features)
 
     def matches_device(self, device_name: str) -> bool:
         return any(re.search(p, device_name, re.IGNORECASE) for p in self.device_match)
@@ -38,6 +46,8 @@ class DtypeOption:
 
     export_dtype: str  # dtype of the exported model, its inputs/outputs and parameter archives
     flags: tuple[str, ...] = ()
+    # {cpu feature: flags added when the arch's CPU lacks it}, e.g. no bf16 matmul ukernel
+    flags_if_cpu_lacks: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -93,9 +103,24 @@ class Target:
         opt = self.dtype_options.get(dtype)
         return opt.export_dtype if opt else dtype
 
-    def dtype_flags(self, dtype: str) -> tuple[str, ...]:
+    def dtype_flags(self, dtype: str, arch: str) -> tuple[str, ...]:
+        """Flags of a dtype option, with those for features arch's CPU lacks."""
         opt = self.dtype_options.get(dtype)
-        return opt.flags if opt else ()
+        if not opt:
+            return ()
+        have = self.arch(arch).features() if opt.flags_if_cpu_lacks else frozenset()
+        lacking = (f for feat, fl in opt.flags_if_cpu_lacks.items() if feat not in have for f in fl)
+        return (*opt.flags, *lacking)
+
+    def compile_flags(self, arch: str, dtype: str, submodule: str | None = None) -> list[str]:
+        """iree-compile flags in the order that lets later ones override earlier ones: the
+        target's, the arch preset's, the dtype's, then the submodule's."""
+        return [
+            *self.flags,
+            *self.arch(arch).flags,
+            *self.dtype_flags(dtype, arch),
+            *(self.submodule_flags.get(submodule, ()) if submodule else ()),
+        ]
 
     def arch(self, name: str) -> Arch:
         if name not in self.arches:
@@ -118,6 +143,10 @@ class Registry:
 
     def spec_path(self, relative: str) -> Path:
         return self.specs_dir / relative
+
+
+def _cpu_features(value) -> tuple[str, ...] | str:
+    return "host" if value == "host" else tuple(value)
 
 
 def default_specs_dir() -> Path:
@@ -149,6 +178,7 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
                 device_match=tuple(spec.get("device_match", ())),
                 cpu_emulated=bool(spec.get("cpu_emulated", False)),
                 refused_dtypes=dict(spec.get("refused_dtypes", {})),
+                cpu_features=_cpu_features(spec.get("cpu_features", ())),
             )
             for a, spec in t["arches"].items()
         }
@@ -165,7 +195,13 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
             tuning_specs=dict(t.get("tuning_specs", {})),
             arches=arches,
             dtype_options={
-                d: DtypeOption(export_dtype=o["export_dtype"], flags=tuple(o.get("flags", ())))
+                d: DtypeOption(
+                    export_dtype=o["export_dtype"],
+                    flags=tuple(o.get("flags", ())),
+                    flags_if_cpu_lacks={
+                        k: tuple(v) for k, v in o.get("flags_if_cpu_lacks", {}).items()
+                    },
+                )
                 for d, o in t.get("dtype_options", {}).items()
             },
             refused_dtypes=dict(t.get("refused_dtypes", {})),

@@ -147,7 +147,7 @@ def build(args) -> int:
     from sdiree.runtime.targets import load_registry
 
     target = load_registry().target(args.target)
-    flags = [*target.flags, *target.arch(args.arch).flags, *target.dtype_flags(args.dtype)]
+    flags = target.compile_flags(args.arch, args.dtype)
     variants = dict(v.split("=", 1) for v in args.variant) or {"base": ""}
     dtype = TORCH_DTYPES[args.dtype]
     out = Path(args.dir)

@@ -41,7 +41,7 @@ func.func @main(%x: tensor<32x64xf32>) -> tensor<32x64xf32> {
 
 def _flags() -> list[str]:
     cpu = load_registry().target("cpu")
-    return [*cpu.flags, *cpu.arch("x86-64-v3").flags]
+    return cpu.compile_flags("x86-64-v3", "fp32")
 
 
 def _archive(path: Path, weight: np.ndarray) -> Path:

@@ -57,9 +57,9 @@ def test_required_presets_exist():
     cuda = REGISTRY.target("cuda")
     assert cuda.export["conv"] == "pointwise_einsum" and cuda.pick_dtype("sm_80", None) == "fp16"
     assert not any(
-        f.startswith("--iree-opt-level") for f in (*cuda.flags, *cuda.dtype_flags("fp16"))
+        f.startswith("--iree-opt-level") for f in (*cuda.flags, *cuda.dtype_flags("fp16", "sm_80"))
     )
-    assert "--iree-opt-level=O3" in cuda.dtype_flags("fp32")
+    assert "--iree-opt-level=O3" in cuda.dtype_flags("fp32", "sm_80")
 
 
 def test_refused_dtypes_are_refused_with_their_reason_and_defaults_fall_back():
@@ -95,9 +95,7 @@ def _compile(tmp_path, name: str, mlir: str, flags) -> bytes:
 def test_preset_flags_compile(tmp_path, target, arch, dtype):
     t = REGISTRY.target(target)
     flags = [
-        *t.flags,
-        *t.arch(arch).flags,
-        *t.dtype_flags(dtype),
+        *t.compile_flags(arch, dtype),
         *(f for sub_flags in t.submodule_flags.values() for f in sub_flags),
     ]
     assert len(_compile(tmp_path, "m", MLIR, flags)) > 0
@@ -108,7 +106,7 @@ def test_cpu_submodule_flags_take_effect(tmp_path):
     UNet's own cpu flags must change the module of a UNet-sized matmul (the distribution tile
     of a data-tiled matmul, here 128 workgroups -> 8)."""
     t = REGISTRY.target("cpu")
-    base = [*t.flags, *t.arch(t.default_arch).flags]
+    base = t.compile_flags(t.default_arch, "fp32")
     m, k, n = 2048, 320, 320
     mlir = MLIR.replace("4x8", f"{m}x{k}").replace("8x16", f"{k}x{n}").replace("4x16", f"{m}x{n}")
     assert t.submodule_flags["unet"], "the cpu preset sets UNet-only flags"
@@ -133,3 +131,59 @@ def test_submodules_sharing_weights_share_their_export_conv_choice():
         for sub in SCOPES:
             if sub != "unet":
                 assert "winograd4_min_side" not in target.export_for(sub), (target.name, sub)
+
+
+UKERNELS_OFF = "--iree-llvmcpu-enable-ukernels=none"
+
+
+def test_cpu_bf16_drops_the_matmul_ukernel_where_the_cpu_lacks_avx512_bf16():
+    """iree 3.13 has a bf16 matmul ukernel only for avx512_bf16; elsewhere its generic fallback
+    ran a 2048x640x640 bf16 matmul 44x slower than fp32, and the codegen without ukernels 2.2x
+    (tools/PERFORMANCE.md). The fallback flag comes last, so it overrides the target's."""
+    import dataclasses
+
+    t = REGISTRY.target("cpu")
+    v3 = t.compile_flags("x86-64-v3", "bf16")
+    assert v3[-1] == UKERNELS_OFF and "--iree-llvmcpu-enable-ukernels=all" in v3
+    assert UKERNELS_OFF not in t.compile_flags("x86-64-v3", "fp32")
+    with_bf16 = dataclasses.replace(t.arch("x86-64-v3"), cpu_features=("avx2", "avx512_bf16"))
+    t2 = dataclasses.replace(t, arches={**t.arches, "x86-64-v3": with_bf16})
+    assert UKERNELS_OFF not in t2.compile_flags("x86-64-v3", "bf16")
+    assert t.arch("host").cpu_features == "host"  # the compiling machine's, read at compile
+
+
+@pytest.mark.skipif(
+    not {"avx2", "fma", "f16c"} <= REGISTRY.target("cpu").arch("host").features(),
+    reason="runs x86-64-v3 code: needs an AVX2 CPU",
+)
+def test_cpu_bf16_fallback_takes_effect_and_stays_right(tmp_path):
+    """With and without the fallback the bf16 module differs, and both compute the matmul with
+    bf16-rounded inputs and fp32 accumulation."""
+    import iree.runtime as ireert
+    import numpy as np
+
+    t = REGISTRY.target("cpu")
+    m, k, n = 64, 128, 96
+    mlir = MLIR.replace("4x8", f"{m}x{k}").replace("8x16", f"{k}x{n}").replace("4x16", f"{m}x{n}")
+    flags = t.compile_flags("x86-64-v3", "bf16")
+    modules = {
+        "fallback": _compile(tmp_path, "fallback", mlir, flags),
+        "ukernel": _compile(tmp_path, "ukernel", mlir, flags[:-1]),
+    }
+    assert modules["fallback"] != modules["ukernel"]
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    b = rng.standard_normal((k, n), dtype=np.float32)
+
+    def bf16(x):  # round to nearest even on the top 16 bits
+        u = x.view(np.uint32).astype(np.uint64)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        return u.astype(np.uint32).view(np.float32)
+
+    want = bf16(a).astype(np.float64) @ bf16(b).astype(np.float64)
+    for name, vmfb in modules.items():
+        config = ireert.Config("local-task")
+        ctx = ireert.SystemContext(config=config)
+        ctx.add_vm_module(ireert.VmModule.copy_buffer(config.vm_instance, vmfb))
+        got = np.asarray(ctx.modules.module["main"](a, b))
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max(), err_msg=name)
