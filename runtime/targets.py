@@ -48,6 +48,8 @@ class DtypeOption:
     flags: tuple[str, ...] = ()
     # {cpu feature: flags added when the arch's CPU lacks it}, e.g. no bf16 matmul ukernel
     flags_if_cpu_lacks: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # {submodule: flags} for this dtype, after (so overriding) the target's submodule_flags
+    submodule_flags: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -114,12 +116,14 @@ class Target:
 
     def compile_flags(self, arch: str, dtype: str, submodule: str | None = None) -> list[str]:
         """iree-compile flags in the order that lets later ones override earlier ones: the
-        target's, the arch preset's, the dtype's, then the submodule's."""
+        target's, the arch preset's, the dtype's, the submodule's, the dtype's for the submodule."""
+        opt = self.dtype_options.get(dtype)
         return [
             *self.flags,
             *self.arch(arch).flags,
             *self.dtype_flags(dtype, arch),
-            *(self.submodule_flags.get(submodule, ()) if submodule else ()),
+            *self.submodule_flags.get(submodule, ()),
+            *(opt.submodule_flags.get(submodule, ()) if opt else ()),
         ]
 
     def arch(self, name: str) -> Arch:
@@ -201,6 +205,7 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
                     flags_if_cpu_lacks={
                         k: tuple(v) for k, v in o.get("flags_if_cpu_lacks", {}).items()
                     },
+                    submodule_flags={k: tuple(v) for k, v in o.get("submodule_flags", {}).items()},
                 )
                 for d, o in t.get("dtype_options", {}).items()
             },

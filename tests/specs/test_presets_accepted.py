@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+from sdiree.compile.iree_compile import iree_compile_tool
 from sdiree.runtime.targets import load_registry
 
 MLIR = """
@@ -80,8 +81,6 @@ def test_refused_dtypes_are_refused_with_their_reason_and_defaults_fall_back():
 
 
 def _compile(tmp_path, name: str, mlir: str, flags) -> bytes:
-    from sdiree.compile.iree_compile import iree_compile_tool
-
     src, out = tmp_path / f"{name}.mlir", tmp_path / f"{name}.vmfb"
     src.write_text(mlir)
     proc = subprocess.run(
@@ -94,11 +93,10 @@ def _compile(tmp_path, name: str, mlir: str, flags) -> bytes:
 @pytest.mark.parametrize("target,arch,dtype", PRESETS)
 def test_preset_flags_compile(tmp_path, target, arch, dtype):
     t = REGISTRY.target(target)
-    flags = [
-        *t.compile_flags(arch, dtype),
-        *(f for sub_flags in t.submodule_flags.values() for f in sub_flags),
-    ]
-    assert len(_compile(tmp_path, "m", MLIR, flags)) > 0
+    opt = t.dtype_options.get(dtype)
+    subs = {None, *t.submodule_flags, *(opt.submodule_flags if opt else ())}
+    for i, flags in enumerate(sorted({tuple(t.compile_flags(arch, dtype, s)) for s in subs})):
+        assert len(_compile(tmp_path, f"m{i}", MLIR, flags)) > 0
 
 
 def test_cpu_submodule_flags_take_effect(tmp_path):
@@ -121,7 +119,8 @@ def test_submodules_sharing_weights_share_their_export_conv_choice():
     from sdiree.compile.exporters import SCOPES
 
     for target in REGISTRY.targets.values():
-        for sub in (*target.submodule_export, *target.submodule_flags):
+        dtype_subs = (s for o in target.dtype_options.values() for s in o.submodule_flags)
+        for sub in (*target.submodule_export, *target.submodule_flags, *dtype_subs):
             assert sub in SCOPES, f"{target.name}: unknown submodule {sub} in its registry entry"
         for scope in set(SCOPES.values()):
             subs = [s for s, sc in SCOPES.items() if sc == scope]
@@ -187,3 +186,45 @@ def test_cpu_bf16_fallback_takes_effect_and_stays_right(tmp_path):
         ctx.add_vm_module(ireert.VmModule.copy_buffer(config.vm_instance, vmfb))
         got = np.asarray(ctx.modules.module["main"](a, b))
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max(), err_msg=name)
+
+
+# The UNet's stride-2 conv as an im2col matmul, its bias, and the result both as is and
+# transposed (the next layer's layout): one fused dispatch of the SD 1.5 UNet at 512x512.
+DUAL_OUTPUT_MATMUL = """
+func.func @main(%a: tensor<1024x2880xf32>, %b: tensor<2880x320xf32>, %bias: tensor<320xf32>)
+    -> (tensor<1024x320xf32>, tensor<320x1024xf32>) {
+  %c = arith.constant 0.0 : f32
+  %e = tensor.empty() : tensor<1024x320xf32>
+  %f = linalg.fill ins(%c : f32) outs(%e : tensor<1024x320xf32>) -> tensor<1024x320xf32>
+  %r = linalg.matmul ins(%a, %b : tensor<1024x2880xf32>, tensor<2880x320xf32>)
+                     outs(%f : tensor<1024x320xf32>) -> tensor<1024x320xf32>
+  %et = tensor.empty() : tensor<320x1024xf32>
+  %o:2 = linalg.generic {indexing_maps = [affine_map<(d0, d1) -> (d0, d1)>,
+      affine_map<(d0, d1) -> (d1)>, affine_map<(d0, d1) -> (d0, d1)>,
+      affine_map<(d0, d1) -> (d1, d0)>], iterator_types = ["parallel", "parallel"]}
+      ins(%r, %bias : tensor<1024x320xf32>, tensor<320xf32>)
+      outs(%e, %et : tensor<1024x320xf32>, tensor<320x1024xf32>) {
+  ^bb0(%in: f32, %in_0: f32, %out: f32, %out_1: f32):
+    %s = arith.addf %in, %in_0 : f32
+    linalg.yield %s, %s : f32, f32
+  } -> (tensor<1024x320xf32>, tensor<320x1024xf32>)
+  return %o#0, %o#1 : tensor<1024x320xf32>, tensor<320x1024xf32>
+}
+"""
+
+
+def test_cpu_bf16_unet_tile_bytes_compile_the_dual_output_matmul(tmp_path):
+    """The fp32 UNet's 1 MiB matmul tiles hold twice the elements in bf16, and this dispatch then
+    fails ("operations with large vector sizes (16384 bytes)"); bf16's own UNet flag halves them."""
+    t = REGISTRY.target("cpu")
+    bf16_unet = t.compile_flags("x86-64-v3", "bf16", "unet")
+    assert bf16_unet[-1] == "--iree-llvmcpu-matmul-tile-bytes=524288"
+    assert len(_compile(tmp_path, "bf16", DUAL_OUTPUT_MATMUL, bf16_unet)) > 0
+    src = tmp_path / "fp32_tiles.mlir"
+    src.write_text(DUAL_OUTPUT_MATMUL)
+    fp32_tiles = subprocess.run(
+        [iree_compile_tool(), str(src), "-o", str(tmp_path / "x.vmfb"), *bf16_unet[:-1]],
+        capture_output=True,
+        text=True,
+    )
+    assert fp32_tiles.returncode != 0 and "large vector sizes" in fp32_tiles.stderr
