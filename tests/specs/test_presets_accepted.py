@@ -188,42 +188,48 @@ def test_cpu_bf16_fallback_takes_effect_and_stays_right(tmp_path):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max(), err_msg=name)
 
 
-# The UNet's stride-2 conv as an im2col matmul, its bias, and the result both as is and
-# transposed (the next layer's layout): one fused dispatch of the SD 1.5 UNet at 512x512.
+# A conv as an im2col matmul, its bias, and the result both as is and transposed (the next
+# layer's layout): one fused dispatch, at the SD 1.5 UNet's stride-2 conv (64² -> 32², 320
+# channels, batch 1) and the VAE encoder's 512² conv (128 channels) sizes.
 DUAL_OUTPUT_MATMUL = """
-func.func @main(%a: tensor<1024x2880xf32>, %b: tensor<2880x320xf32>, %bias: tensor<320xf32>)
-    -> (tensor<1024x320xf32>, tensor<320x1024xf32>) {
+func.func @main(%a: tensor<MxKxf32>, %b: tensor<KxNxf32>, %bias: tensor<Nxf32>)
+    -> (tensor<MxNxf32>, tensor<NxMxf32>) {
   %c = arith.constant 0.0 : f32
-  %e = tensor.empty() : tensor<1024x320xf32>
-  %f = linalg.fill ins(%c : f32) outs(%e : tensor<1024x320xf32>) -> tensor<1024x320xf32>
-  %r = linalg.matmul ins(%a, %b : tensor<1024x2880xf32>, tensor<2880x320xf32>)
-                     outs(%f : tensor<1024x320xf32>) -> tensor<1024x320xf32>
-  %et = tensor.empty() : tensor<320x1024xf32>
+  %e = tensor.empty() : tensor<MxNxf32>
+  %f = linalg.fill ins(%c : f32) outs(%e : tensor<MxNxf32>) -> tensor<MxNxf32>
+  %r = linalg.matmul ins(%a, %b : tensor<MxKxf32>, tensor<KxNxf32>)
+                     outs(%f : tensor<MxNxf32>) -> tensor<MxNxf32>
+  %et = tensor.empty() : tensor<NxMxf32>
   %o:2 = linalg.generic {indexing_maps = [affine_map<(d0, d1) -> (d0, d1)>,
       affine_map<(d0, d1) -> (d1)>, affine_map<(d0, d1) -> (d0, d1)>,
       affine_map<(d0, d1) -> (d1, d0)>], iterator_types = ["parallel", "parallel"]}
-      ins(%r, %bias : tensor<1024x320xf32>, tensor<320xf32>)
-      outs(%e, %et : tensor<1024x320xf32>, tensor<320x1024xf32>) {
+      ins(%r, %bias : tensor<MxNxf32>, tensor<Nxf32>)
+      outs(%e, %et : tensor<MxNxf32>, tensor<NxMxf32>) {
   ^bb0(%in: f32, %in_0: f32, %out: f32, %out_1: f32):
     %s = arith.addf %in, %in_0 : f32
     linalg.yield %s, %s : f32, f32
-  } -> (tensor<1024x320xf32>, tensor<320x1024xf32>)
-  return %o#0, %o#1 : tensor<1024x320xf32>, tensor<320x1024xf32>
+  } -> (tensor<MxNxf32>, tensor<NxMxf32>)
+  return %o#0, %o#1 : tensor<MxNxf32>, tensor<NxMxf32>
 }
 """
 
 
-def test_cpu_bf16_unet_tile_bytes_compile_the_dual_output_matmul(tmp_path):
-    """The fp32 UNet's 1 MiB matmul tiles hold twice the elements in bf16, and this dispatch then
-    fails ("operations with large vector sizes (16384 bytes)"); bf16's own UNet flag halves them."""
+@pytest.mark.parametrize(
+    "submodule,m,k,n", [("unet", 1024, 2880, 320), ("vae_encoder", 65536, 1152, 128)]
+)
+def test_cpu_bf16_tile_bytes_compile_the_dual_output_matmul(tmp_path, submodule, m, k, n):
+    """In bf16 these dispatches fail ("operations with large vector sizes (16384 bytes)") with
+    the fp32 tile bytes (the UNet's 1 MiB, the VAE encoder's default); bf16's own smaller ones,
+    applied last, compile them."""
+    mlir = DUAL_OUTPUT_MATMUL.replace("M", str(m)).replace("K", str(k)).replace("N", str(n))
     t = REGISTRY.target("cpu")
-    bf16_unet = t.compile_flags("x86-64-v3", "bf16", "unet")
-    assert bf16_unet[-1] == "--iree-llvmcpu-matmul-tile-bytes=524288"
-    assert len(_compile(tmp_path, "bf16", DUAL_OUTPUT_MATMUL, bf16_unet)) > 0
+    flags = t.compile_flags("x86-64-v3", "bf16", submodule)
+    assert flags[-1].startswith("--iree-llvmcpu-matmul-tile-bytes=")
+    assert len(_compile(tmp_path, "bf16", mlir, flags)) > 0
     src = tmp_path / "fp32_tiles.mlir"
-    src.write_text(DUAL_OUTPUT_MATMUL)
+    src.write_text(mlir)
     fp32_tiles = subprocess.run(
-        [iree_compile_tool(), str(src), "-o", str(tmp_path / "x.vmfb"), *bf16_unet[:-1]],
+        [iree_compile_tool(), str(src), "-o", str(tmp_path / "x.vmfb"), *flags[:-1]],
         capture_output=True,
         text=True,
     )
