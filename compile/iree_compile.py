@@ -22,7 +22,8 @@ def compiler_version() -> str:
 
 
 def compile_mlir(mlir: Path, vmfb: Path, flags: list[str], log_path: Path) -> None:
-    """Compile mlir to vmfb; on failure write the compiler output to log_path and raise."""
+    """Compile mlir to vmfb; on failure write the compiler output to log_path and raise. A log
+    left by an earlier failure is removed once the module compiles."""
     with atomic_path(vmfb) as tmp:
         proc = subprocess.run(
             [iree_compile_tool(), str(mlir), "-o", str(tmp), *flags],
@@ -38,3 +39,4 @@ def compile_mlir(mlir: Path, vmfb: Path, flags: list[str], log_path: Path) -> No
             raise UserError(
                 f"iree-compile failed for {mlir.name}: {first.strip()[:300]} (full log: {log_path})"
             )
+    log_path.unlink(missing_ok=True)
