@@ -106,6 +106,12 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
     if opts.dtype is None and dtype != target.default_dtype:
         why = target.refusals(arch)[target.default_dtype]
         reporter.say(f"dtype: {dtype}, as {target.default_dtype} is refused for {arch} ({why})")
+    missing = target.missing_cpu_features(dtype, arch)
+    if missing:
+        reporter.say(
+            f"note: {arch}'s CPU has no {', '.join(missing)}, so {dtype} is compiled without the "
+            "code paths that need it and runs slower than on a CPU with it (specs/README.md)"
+        )
 
     vae_factor = 2 ** (len(configs["vae"]["block_out_channels"]) - 1)
     default_hw = configs["unet"]["sample_size"] * vae_factor

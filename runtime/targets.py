@@ -105,14 +105,21 @@ class Target:
         opt = self.dtype_options.get(dtype)
         return opt.export_dtype if opt else dtype
 
+    def missing_cpu_features(self, dtype: str, arch: str) -> tuple[str, ...]:
+        """The CPU features a dtype option has fallback flags for that arch's CPU lacks."""
+        opt = self.dtype_options.get(dtype)
+        if not opt or not opt.flags_if_cpu_lacks:
+            return ()
+        have = self.arch(arch).features()
+        return tuple(f for f in opt.flags_if_cpu_lacks if f not in have)
+
     def dtype_flags(self, dtype: str, arch: str) -> tuple[str, ...]:
         """Flags of a dtype option, with those for features arch's CPU lacks."""
         opt = self.dtype_options.get(dtype)
         if not opt:
             return ()
-        have = self.arch(arch).features() if opt.flags_if_cpu_lacks else frozenset()
-        lacking = (f for feat, fl in opt.flags_if_cpu_lacks.items() if feat not in have for f in fl)
-        return (*opt.flags, *lacking)
+        missing = self.missing_cpu_features(dtype, arch)
+        return (*opt.flags, *(f for feat in missing for f in opt.flags_if_cpu_lacks[feat]))
 
     def compile_flags(self, arch: str, dtype: str, submodule: str | None = None) -> list[str]:
         """iree-compile flags in the order that lets later ones override earlier ones: the

@@ -207,3 +207,20 @@ def test_cpu_weights_are_derived_at_export_and_encoded_at_compile(compiled):
     assert not loads_with(vmfb, [shared], "local-task")
     vk = load_manifest(compiled.get("vulkan-spirv", "lavapipe", "fp32"))
     assert all(not s.extra_parameters for s in vk.submodules.values())
+
+
+@pytest.mark.parametrize(
+    "arch,dtype,noted", [("x86-64-v3", "bf16", True), ("x86-64-v3", "fp32", False)]
+)
+def test_compile_notes_a_dtype_the_cpu_lacks_features_for(tiny_model, tmp_path, arch, dtype, noted):
+    """bf16 for a CPU without avx512_bf16 compiles, slower than fp32 there: compile says so."""
+    import io
+
+    from sdiree.compile.driver import CompileOptions, resolve
+    from sdiree.compile.report import Reporter
+
+    said = io.StringIO()
+    opts = CompileOptions(tiny_model, "cpu", arch=arch, dtype=dtype, out=tmp_path / "a")
+    plan = resolve(opts, Reporter(stream=said))
+    assert plan.dtype == dtype and not (tmp_path / "a").exists()
+    assert ("has no avx512_bf16, so bf16 is compiled without" in said.getvalue()) == noted
