@@ -156,6 +156,11 @@ class Registry:
         return self.specs_dir / relative
 
 
+def _tuples(d: dict) -> dict[str, tuple[str, ...]]:
+    """A registry {name: [flags]} map with tuples for values."""
+    return {k: tuple(v) for k, v in d.items()}
+
+
 def _cpu_features(value) -> tuple[str, ...] | str:
     return "host" if value == "host" else tuple(value)
 
@@ -202,17 +207,15 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
             default_arch=t["default_arch"],
             export=dict(t.get("export", {})),
             flags=tuple(t.get("flags", ())),
-            submodule_flags={k: tuple(v) for k, v in t.get("submodule_flags", {}).items()},
+            submodule_flags=_tuples(t.get("submodule_flags", {})),
             tuning_specs=dict(t.get("tuning_specs", {})),
             arches=arches,
             dtype_options={
                 d: DtypeOption(
                     export_dtype=o["export_dtype"],
                     flags=tuple(o.get("flags", ())),
-                    flags_if_cpu_lacks={
-                        k: tuple(v) for k, v in o.get("flags_if_cpu_lacks", {}).items()
-                    },
-                    submodule_flags={k: tuple(v) for k, v in o.get("submodule_flags", {}).items()},
+                    flags_if_cpu_lacks=_tuples(o.get("flags_if_cpu_lacks", {})),
+                    submodule_flags=_tuples(o.get("submodule_flags", {})),
                 )
                 for d, o in t.get("dtype_options", {}).items()
             },

@@ -80,14 +80,18 @@ def test_refused_dtypes_are_refused_with_their_reason_and_defaults_fall_back():
             assert all(d in t.dtypes for d in t.refusals(a)), "a refusal names a known dtype"
 
 
-def _compile(tmp_path, name: str, mlir: str, flags) -> bytes:
+def _run_compile(tmp_path, name: str, mlir: str, flags) -> subprocess.CompletedProcess:
     src, out = tmp_path / f"{name}.mlir", tmp_path / f"{name}.vmfb"
     src.write_text(mlir)
-    proc = subprocess.run(
+    return subprocess.run(
         [iree_compile_tool(), str(src), "-o", str(out), *flags], capture_output=True, text=True
     )
+
+
+def _compile(tmp_path, name: str, mlir: str, flags) -> bytes:
+    proc = _run_compile(tmp_path, name, mlir, flags)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return out.read_bytes()
+    return (tmp_path / f"{name}.vmfb").read_bytes()
 
 
 @pytest.mark.parametrize("target,arch,dtype", PRESETS)
@@ -226,11 +230,5 @@ def test_cpu_bf16_tile_bytes_compile_the_dual_output_matmul(tmp_path, submodule,
     flags = t.compile_flags("x86-64-v3", "bf16", submodule)
     assert flags[-1].startswith("--iree-llvmcpu-matmul-tile-bytes=")
     assert len(_compile(tmp_path, "bf16", mlir, flags)) > 0
-    src = tmp_path / "fp32_tiles.mlir"
-    src.write_text(mlir)
-    fp32_tiles = subprocess.run(
-        [iree_compile_tool(), str(src), "-o", str(tmp_path / "x.vmfb"), *flags[:-1]],
-        capture_output=True,
-        text=True,
-    )
+    fp32_tiles = _run_compile(tmp_path, "fp32_tiles", mlir, flags[:-1])
     assert fp32_tiles.returncode != 0 and "large vector sizes" in fp32_tiles.stderr
