@@ -2,33 +2,35 @@
 
 - `sdpa`: one fused scaled_dot_product_attention op (IREE's attention op; GPU targets).
 - `decomposed`: diffusers' classic bmm-softmax-bmm (AttnProcessor).
-- `chunked`: bmm-exp-bmm cut into blocks of heads and queries whose score tile fits in cache,
-  with the softmax normalization moved after the second matmul. Made for llvm-cpu, where the
-  decomposed form writes and re-reads the whole score tensor (16x4096x4096 fp32, 1 GB, at 512x512)
-  several times: per block the scores stay in the last-level cache, and the row sums come out of
-  the second matmul (a column of ones appended to V) instead of a separate pass over the scores.
-  Same maths as softmax: exp(s - max) is divided by its own row sum.
+- `chunked`: matmul-exp-matmul per head, cut into blocks of queries whose score tile fits in
+  cache, with the softmax normalization moved after the second matmul. Made for llvm-cpu, where
+  the decomposed form writes and re-reads the whole score tensor (16x4096x4096 fp32, 1 GB, at
+  512x512) several times: per block the scores stay in the last-level cache, and the row sums
+  come out of the second matmul (a column of ones appended to V) instead of a separate pass over
+  the scores. Same maths as softmax: exp(s - max) is divided by its own row sum.
+  Each head is its own pair of 2-D matmuls: iree 3.13's data-tiled llvm-cpu code runs a
+  1x1024x4096x40 batch_matmul ~1.5x slower than the same 1024x4096x40 matmul, and a 4-head
+  batch_matmul (32x32 latents) or a 16-head one (cross-attention) ~15-25 % slower than
+  per-head matmuls (tools/PERFORMANCE.md).
 """
 
 from __future__ import annotations
 
 import torch
 
-# Largest score block (heads x queries x keys, in bytes of the score dtype) one chunk may hold.
+# Largest score block (one head's queries x keys, in bytes of the score dtype) a chunk may hold.
 # 16 MiB measured best on a Zen 8 MiB-L3 CPU (4-16 MiB all within noise; one 1 GB block 1.2x slower).
 SCORE_BLOCK_BYTES = 16 << 20
 
 ATTENTIONS = ("sdpa", "decomposed", "chunked")
 
 
-def block_shape(heads: int, queries: int, keys: int, itemsize: int, budget: int) -> tuple[int, int]:
-    """(heads per block, queries per block): halve heads, then queries, until the block fits."""
-    h, q = heads, queries
-    while h * q * keys * itemsize > budget and h % 2 == 0:
-        h //= 2
-    while h * q * keys * itemsize > budget and q % 2 == 0:
+def query_block(queries: int, keys: int, itemsize: int, budget: int) -> int:
+    """Queries per block: halved until one head's score block fits the budget (or is odd)."""
+    q = queries
+    while q * keys * itemsize > budget and q % 2 == 0:
         q //= 2
-    return h, q
+    return q
 
 
 def chunked_attention(
@@ -41,24 +43,22 @@ def chunked_attention(
 ) -> torch.Tensor:
     """softmax(query @ key^T * scale + mask) @ value on [batch*heads, tokens, dim] tensors."""
     bh, nq, d = query.shape
-    nk = key.shape[1]
-    hc, qc = block_shape(bh, nq, nk, query.element_size(), budget)
+    qc = query_block(nq, key.shape[1], query.element_size(), budget)
     query = query * scale
     value1 = torch.cat([value, torch.ones_like(value[..., :1])], dim=-1)
     heads = []
-    for h in range(0, bh, hc):
-        k_t = key[h : h + hc].transpose(1, 2)
-        v1 = value1[h : h + hc]
+    for h in range(bh):
+        k_t = key[h].t()
         rows = []
         for i in range(0, nq, qc):
-            s = torch.bmm(query[h : h + hc, i : i + qc], k_t)
+            s = torch.mm(query[h, i : i + qc], k_t)
             if mask is not None:  # [batch*heads, 1 or queries, keys]
-                s = s + (mask[h : h + hc] if mask.shape[1] == 1 else mask[h : h + hc, i : i + qc])
+                s = s + (mask[h] if mask.shape[1] == 1 else mask[h, i : i + qc])
             e = torch.exp(s - s.amax(dim=-1, keepdim=True))
-            r = torch.bmm(e, v1)
-            rows.append(r[..., :d] / r[..., d:])
-        heads.append(torch.cat(rows, dim=1) if len(rows) > 1 else rows[0])
-    return torch.cat(heads, dim=0) if len(heads) > 1 else heads[0]
+            r = torch.mm(e, value1[h])
+            rows.append(r[:, :d] / r[:, d:])
+        heads.append(torch.cat(rows) if len(rows) > 1 else rows[0])
+    return torch.stack(heads)
 
 
 class ChunkedAttnProcessor:
