@@ -7,6 +7,7 @@ rather than minutes into a real compile.
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -80,18 +81,17 @@ def test_refused_dtypes_are_refused_with_their_reason_and_defaults_fall_back():
             assert all(d in t.dtypes for d in t.refusals(a)), "a refusal names a known dtype"
 
 
-def _run_compile(tmp_path, name: str, mlir: str, flags) -> subprocess.CompletedProcess:
+def _run_compile(tmp_path, name: str, mlir: str, flags) -> tuple[subprocess.CompletedProcess, Path]:
     src, out = tmp_path / f"{name}.mlir", tmp_path / f"{name}.vmfb"
     src.write_text(mlir)
-    return subprocess.run(
-        [iree_compile_tool(), str(src), "-o", str(out), *flags], capture_output=True, text=True
-    )
+    cmd = [iree_compile_tool(), str(src), "-o", str(out), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True), out
 
 
 def _compile(tmp_path, name: str, mlir: str, flags) -> bytes:
-    proc = _run_compile(tmp_path, name, mlir, flags)
+    proc, out = _run_compile(tmp_path, name, mlir, flags)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return (tmp_path / f"{name}.vmfb").read_bytes()
+    return out.read_bytes()
 
 
 @pytest.mark.parametrize("target,arch,dtype", PRESETS)
@@ -230,5 +230,5 @@ def test_cpu_bf16_tile_bytes_compile_the_dual_output_matmul(tmp_path, submodule,
     flags = t.compile_flags("x86-64-v3", "bf16", submodule)
     assert flags[-1].startswith("--iree-llvmcpu-matmul-tile-bytes=")
     assert len(_compile(tmp_path, "bf16", mlir, flags)) > 0
-    fp32_tiles = _run_compile(tmp_path, "fp32_tiles", mlir, flags[:-1])
+    fp32_tiles, _ = _run_compile(tmp_path, "fp32_tiles", mlir, flags[:-1])
     assert fp32_tiles.returncode != 0 and "large vector sizes" in fp32_tiles.stderr
