@@ -4,7 +4,8 @@ Modelled on ONNX Runtime's Stable Diffusion benchmark (warm-up runs, then timed 
 memory of the first and of a later run; one row per configuration), with one row per figure:
 
 - ``text_encoder``: one text encoder call (token ids, batch B);
-- ``unet``: one UNet call at batch 2B (sdiree's ``denoise_cfg``, both guidance halves);
+- ``unet``: one guided UNet call at batch 2B (sdiree's ``denoise_cfg``, both halves from B
+  latents; diffusers' UNet on the latents repeated, as its pipelines call it);
 - ``vae_decode``: one VAE decode (latents → image, scaling factor included on both sides);
 - ``image``: a whole image at S steps (tokenize, encode prompt and negative prompt, S guided
   UNet steps with the model's scheduler, decode, 8-bit pixels), sdiree's ``Text2Image`` against
@@ -299,8 +300,10 @@ class TorchSide:
             return [host(out.last_hidden_state), host(out.pooler_output)]
 
         def unet():
-            args = (t("unet.sample"), t("unet.timestep"), t("unet.encoder_hidden_states"))
-            return [host(pipe.unet(*args, return_dict=False)[0])]
+            sample, text = t("unet.sample"), t("unet.encoder_hidden_states")
+            # Guidance's latent input, as diffusers' pipelines build it: the latents once per half.
+            sample = torch.cat([sample] * (text.shape[0] // sample.shape[0]))
+            return [host(pipe.unet(sample, t("unet.timestep"), text, return_dict=False)[0])]
 
         def vae_decode():
             return [host(pipe.vae.decode(t("vae_decode.latents") / sf, return_dict=False)[0])]

@@ -123,7 +123,10 @@ class Text2Image:
         te = manifest.data["text_encoders"][0]
         self.tokenizer = ClipTokenizer.from_dir(manifest.path(te["tokenizer"]))
         self.batch = manifest.image["batch_size"]
-        self.dtype = np.dtype(manifest.submodules["unet"].functions["denoise"].inputs[0].dtype)
+        unet = manifest.submodules["unet"].functions
+        self.dtype = np.dtype(unet["denoise"].inputs[0].dtype)
+        # Artifacts before exporter revision 6 take the guided call's latents twice.
+        self.cfg_repeats = unet["denoise_cfg"].inputs[0].shape[0] // self.batch
 
     def encode_text(self, text: str, warnings: list[str]) -> np.ndarray:
         tok = self.tokenizer.encode(text)
@@ -192,7 +195,7 @@ class Text2Image:
         loop_start = time.perf_counter()
         for i, t in enumerate(sched.timesteps):
             t0 = time.perf_counter()
-            x = np.concatenate([latents, latents]) if cfg else latents
+            x = np.concatenate([latents] * self.cfg_repeats) if cfg else latents
             x = sched.scale_model_input(x, t).astype(self.dtype)
             tstep = np.array([t], dtype=np.float32)
             fn = "denoise_cfg" if cfg else "denoise"

@@ -9,8 +9,9 @@ from __future__ import annotations
 # Bump when an exporter traces a different graph for the same model and choices (it is part of
 # the MLIR cache key). 2: Winograd weights computed at export, as parameters of their own;
 # 3: Winograd transforms with fewer traced ops; 4: GroupNorm in float32 for half precision, and
-# the `pointwise_einsum` conv choice; 5: chunked attention as 2-D matmuls per head.
-EXPORTER_REVISION = 5
+# the `pointwise_einsum` conv choice; 5: chunked attention as 2-D matmuls per head; 6: `denoise_cfg`
+# takes the latents once, and the UNet's layers before the text enters run once for both halves.
+EXPORTER_REVISION = 6
 
 SCOPES = {
     "text_encoder": "text_encoder",

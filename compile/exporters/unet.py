@@ -1,8 +1,9 @@
 """UNet exporter: (latents, timestep, text embeddings) → noise prediction.
 
-Two entry functions share the parameters: `denoise_cfg` at batch 2B (unconditional and
-conditional halves in one call, so guidance is one call per step) and `denoise` at batch B (for
-guidance scale 1, which skips the unconditional half). The timestep is one float32 value.
+Two entry functions share the parameters: `denoise_cfg` takes B latents and text embeddings of
+batch 2B (unconditional and conditional halves in one call, so guidance is one call per step)
+and returns both halves' predictions; `denoise` runs at batch B (for guidance scale 1, which skips
+the unconditional half). The timestep is one float32 value.
 """
 
 from __future__ import annotations
@@ -11,16 +12,22 @@ import torch
 
 from .attention import set_attention
 from .base import NUMPY_DTYPE_NAMES, ExportPlan, FunctionSpec, TensorSpec
+from .cfg_prefix import share_cfg_prefix
 from .conv_matmul import WINOGRAD_TILES, conv_input_sides, set_conv_lowering, tiles_by_side
 from .norm_precision import group_norms_in_fp32
 
 
 class UNetEntry(torch.nn.Module):
+    """The UNet call; given text embeddings of twice the latents' batch (guidance's two halves),
+    the latents serve both halves, as diffusers' pipelines repeat them."""
+
     def __init__(self, unet: torch.nn.Module):
         super().__init__()
         self.unet = unet
 
     def forward(self, sample, timestep, encoder_hidden_states):
+        if encoder_hidden_states.shape[0] == 2 * sample.shape[0]:
+            sample = torch.cat([sample, sample])
         return self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0]
 
 
@@ -54,6 +61,7 @@ def plan_unet(
     set_attention(unet, attention)
     derived = set_conv_lowering(unet, conv, tiles)
     group_norms_in_fp32(unet, dtype)
+    share_cfg_prefix(unet, batch)  # last: it wraps the forwards rebound above
     unet = unet.to(dtype).eval()
     entry = UNetEntry(unet)
     dt = NUMPY_DTYPE_NAMES[dtype]
@@ -68,7 +76,7 @@ def plan_unet(
         return FunctionSpec(
             name=fn.__name__,
             inputs=(
-                TensorSpec("sample", (b, channels, h, w), dt),
+                TensorSpec("sample", (batch, channels, h, w), dt),
                 TensorSpec("timestep", (1,), "float32"),
                 TensorSpec("encoder_hidden_states", (b, text_len, text_dim), dt),
             ),

@@ -33,7 +33,10 @@ def assert_manifest_complete(out, target, arch, dtype):
                 assert t["name"] and all(isinstance(s, int) for s in t["shape"]) and t["dtype"]
     unet = m.submodules["unet"].functions
     b = d["image"]["batch_size"]
-    assert unet["denoise_cfg"].inputs[0].shape[0] == 2 * b
+    assert unet["denoise_cfg"].inputs[0].shape[0] == b  # the latents once for both halves
+    assert (
+        unet["denoise_cfg"].inputs[2].shape[0] == unet["denoise_cfg"].outputs[0].shape[0] == 2 * b
+    )
     assert unet["denoise"].inputs[0].shape[0] == b
     assert m.submodules["text_encoder"].functions["encode"].outputs[1].name == "pooled_output"
     assert d["vae_scaling"]["applied_by"] == "module"
