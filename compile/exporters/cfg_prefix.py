@@ -4,7 +4,7 @@ for both halves of `denoise_cfg`.
 A guided step calls the UNet on the same latents and timestep twice, with the unconditional and
 the conditional text embeddings; the text first enters at the first cross-attention. Everything
 before it (conv_in, the first ResNet, and the first transformer's norm, input projection and
-self-attention, for SD 1.x/2.x about 3 % of a 512x512 call) computes the same values for both
+self-attention; for SD 1.5 at 512x512, 3-4 % of the call's time) computes the same values for both
 halves. `share_cfg_prefix` rebinds those modules' forwards: given a batch of 2B, they run on its
 first B rows and repeat the result. That is exact only because the one caller at batch 2B,
 `UNetEntry` under `denoise_cfg`, feeds both halves the same latents; at batch B (`denoise`) the
