@@ -263,6 +263,8 @@ class TorchSide:
         import torch
         from diffusers.models.attention_processor import AttnProcessor2_0
 
+        from .exporters.unet import UNetEntry
+
         self.torch = torch
         dtype = getattr(torch, spec["torch_dtype"])
         device = torch.device(spec["torch_device"])
@@ -299,11 +301,11 @@ class TorchSide:
             out = pipe.text_encoder(t("text_encoder.input_ids"), return_dict=True)
             return [host(out.last_hidden_state), host(out.pooler_output)]
 
+        unet_call = UNetEntry(pipe.unet)  # repeats the latents for both halves, as pipelines do
+
         def unet():
-            sample, text = t("unet.sample"), t("unet.encoder_hidden_states")
-            # Guidance's latent input, as diffusers' pipelines build it: the latents once per half.
-            sample = torch.cat([sample] * (text.shape[0] // sample.shape[0]))
-            return [host(pipe.unet(sample, t("unet.timestep"), text, return_dict=False)[0])]
+            args = (t("unet.sample"), t("unet.timestep"), t("unet.encoder_hidden_states"))
+            return [host(unet_call(*args))]
 
         def vae_decode():
             return [host(pipe.vae.decode(t("vae_decode.latents") / sf, return_dict=False)[0])]
