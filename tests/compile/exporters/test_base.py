@@ -52,30 +52,20 @@ def test_text_encoder_exports_the_same_either_way(tiny_model, tmp_path):
     assert strict == loose
 
 
-class AttentionBlock(torch.nn.Module):
-    """diffusers' Attention with the chunked processor: a Python loop over heads."""
-
-    def __init__(self):
-        super().__init__()
-        from diffusers.models.attention_processor import Attention
-
-        torch.manual_seed(0)
-        self.attn = Attention(16, heads=2, dim_head=8, processor=ChunkedAttnProcessor())
-
-    def forward(self, x):
-        return self.attn(x)
-
-
 def test_chunked_attention_exports_the_same_either_way(tmp_path):
+    """diffusers' Attention with the chunked processor: a Python loop over heads."""
+    from diffusers.models.attention_processor import Attention
+
     def plan():
-        block = AttentionBlock().eval()
+        torch.manual_seed(0)
+        attn = Attention(16, heads=2, dim_head=8, processor=ChunkedAttnProcessor()).eval()
 
         def run(root, x):
             return root(x)
 
         x = TensorSpec("x", (1, 24, 16), "float32")
         fn = FunctionSpec("run", (x,), (x,), run)
-        return ExportPlan("attn", "attn", root=block, params_module=block, functions=[fn])
+        return ExportPlan("attn", "attn", root=attn, params_module=attn, functions=[fn])
 
     strict, loose = export_both(plan, tmp_path)
     assert strict.count("torch.aten.mm") == 4  # per head: scores and values
