@@ -15,12 +15,14 @@ the same seed without torch, this module replays torch's CPU random stream in nu
   in double: two random64 uniforms per pair, ``sqrt(-2 log1p(-u2))`` with angle ``2 pi u1``; the
   sine half is cached in the generator and returned by the next scalar draw, even in a later call.
 
-For float32 with >= 16 elements torch picks its kernel by CPU capability: on AVX2 it runs the
-``avx_mathfun`` (Cephes) ``log256_ps``/``sincos256_ps`` polynomials, which GCC contracts into FMAs;
-everywhere else (AVX-512, default, ARM) it calls libm's ``logf``/``sinf``/``cosf`` per element.
-Both are ported here op for op in float32/float64 numpy arithmetic: ``kernel="avx2"`` and
-``kernel="scalar"`` (glibc >= 2.28 algorithms); ``kernel="auto"`` picks the one torch would pick
-on this machine. The other paths only use double-precision libm functions, taken from ``math``.
+For float32 with >= 16 elements torch's kernel is chosen when torch is built, per CPU capability:
+its AVX2 and AVX-512 builds (both compiled with ``__AVX2__``) run the ``avx_mathfun`` (Cephes)
+``log256_ps``/``sincos256_ps`` polynomials, which GCC contracts into FMAs; its DEFAULT build (x86
+without AVX2+FMA, or ``ATEN_CPU_CAPABILITY=default``) and every non-x86 build call libm's
+``logf``/``sinf``/``cosf`` per element. Both are ported here op for op in float32/float64 numpy
+arithmetic: ``kernel="avx2"`` and ``kernel="scalar"`` (glibc >= 2.28 algorithms);
+``kernel="auto"`` picks the one torch picks on this machine. The other paths only use
+double-precision libm functions, taken from ``math``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["KERNELS", "TorchCPUGenerator", "detect_kernel"]
+__all__ = ["KERNELS", "TorchCPUGenerator", "detect_kernel", "kernel_for_flags"]
 
 KERNELS = ("avx2", "scalar")
 
@@ -43,27 +45,29 @@ _MT_N = 624
 
 
 def detect_kernel() -> str:
-    """The float32 normal kernel torch's CPU dispatch would use here: "avx2" or "scalar".
+    """The float32 normal kernel torch's CPU dispatch uses here: "avx2" or "scalar".
 
-    Mirrors ATen's capability choice (``ATEN_CPU_CAPABILITY`` first, then AVX-512 VL/BW/DQ+FMA
-    beats AVX2+FMA); only the AVX2 capability has a hand-vectorised normal kernel.
+    Mirrors ATen: ``ATEN_CPU_CAPABILITY=default`` forces the DEFAULT build; otherwise an x86 CPU
+    with AVX2 and FMA runs torch's AVX2 or AVX-512 build, and both of those hold the vectorised
+    kernel (``normal_fill_AVX2`` is compiled wherever ``__AVX2__`` is defined). Checked against
+    torch on AVX2-only and AVX-512 CPUs with every capability forced (tests/runtime/test_rng.py).
     """
     env = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
-    if env == "avx2":
-        return "avx2"
-    if env in ("default", "avx512"):
+    if env == "default":
         return "scalar"
     if platform.machine().lower() not in ("x86_64", "amd64", "x86", "i386", "i686"):
         return "scalar"
     flags = _cpu_flags()
     if flags is None:
-        # No /proc/cpuinfo (Windows, macOS): AVX2 without AVX-512 is the common x86 case.
+        # No /proc/cpuinfo (Windows, macOS): every x86-64 CPU of the last decade has AVX2+FMA.
         return "avx2"
-    if {"avx512vl", "avx512bw", "avx512dq", "fma"} <= flags:
-        return "scalar"
-    if {"avx2", "fma"} <= flags:
-        return "avx2"
-    return "scalar"
+    return kernel_for_flags(flags)
+
+
+def kernel_for_flags(flags: set[str] | frozenset[str]) -> str:
+    """The kernel torch (not forced by ATEN_CPU_CAPABILITY) uses on an x86 CPU with these
+    /proc/cpuinfo flags: AVX2+FMA (with or without AVX-512) → "avx2", older → "scalar"."""
+    return "avx2" if {"avx2", "fma"} <= set(flags) else "scalar"
 
 
 def _cpu_flags() -> set[str] | None:
