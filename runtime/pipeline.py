@@ -18,7 +18,7 @@ import numpy as np
 from . import schedulers
 from .errors import UserError
 from .manifest import Manifest
-from .rng import TorchCPUGenerator
+from .rng import PerImageGenerators, TorchCPUGenerator
 from .session import Session
 from .tokenizer import ClipTokenizer
 
@@ -32,6 +32,10 @@ class GenerationRequest:
     scheduler: str | None = None
     seed: int = 0
     num_images: int = 1
+    # False: one generator for all images, as diffusers with one torch.Generator (and ComfyUI).
+    # True: image i from its own generator seeded seed + i, as diffusers with a list of
+    # generators and AUTOMATIC1111, so each image is remade alone from its seed.
+    per_image_seeds: bool = False
     width: int | None = None
     height: int | None = None
 
@@ -69,12 +73,15 @@ def scheduler_config(manifest: Manifest) -> dict:
 def resolve_request(manifest: Manifest, req: GenerationRequest) -> GenerationRequest:
     """Fill defaults from the artifact and reject what it cannot do, before any work."""
     config = scheduler_config(manifest)
-    name = req.scheduler or schedulers.name_for_config(config) or "euler"
-    if name not in schedulers.NAMES:
-        raise UserError(f"unknown scheduler '{name}': choose one of {', '.join(schedulers.NAMES)}")
+    try:
+        name = schedulers.resolve_name(req.scheduler) if req.scheduler else None
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    name = name or schedulers.name_for_config(config) or "euler"
     steps = req.steps if req.steps is not None else schedulers.DEFAULT_STEPS[name]
     if steps < 1:
         raise UserError(f"--steps {steps}: the number of steps must be at least 1")
+    check_steps(name, config, steps)
     if not math.isfinite(req.guidance_scale):
         raise UserError(f"--guidance-scale {req.guidance_scale} is not a finite number")
     if req.num_images < 1:
@@ -97,9 +104,46 @@ def resolve_request(manifest: Manifest, req: GenerationRequest) -> GenerationReq
         scheduler=name,
         seed=req.seed,
         num_images=req.num_images,
+        per_image_seeds=req.per_image_seeds,
         width=img["width"],
         height=img["height"],
     )
+
+
+def make_scheduler(name: str, config: dict) -> schedulers.Scheduler:
+    try:
+        return schedulers.create(name, config)
+    except ValueError as e:
+        raise UserError(
+            f"the {name} scheduler cannot use this model's scheduler config ({e}); "
+            "choose another --scheduler"
+        ) from None
+
+
+def check_steps(name: str, config: dict, steps: int) -> None:
+    """Refuse a step count the scheduler cannot take with this config, naming the limit.
+
+    Checked here rather than mid-run: a count past num_train_timesteps would otherwise build a
+    schedule of that length (--steps 100000000000 asked for hundreds of GiB), and some counts
+    below it fail only at their last step.
+    """
+    sched = make_scheduler(name, config)
+    train = int(sched.config["num_train_timesteps"])
+    if steps > train:
+        limit = schedulers.max_steps(name, config)
+        also = "" if limit == train else f", of which {name} can take at most {limit}"
+        raise UserError(
+            f"--steps {steps}: this model's scheduler has {train} training timesteps{also}"
+            + (f"; use at most {limit}" if limit else "")
+        )
+    try:
+        sched.set_timesteps(steps)
+    except ValueError as e:
+        limit = schedulers.max_steps(name, config, upto=steps - 1)
+        raise UserError(
+            f"--steps {steps}: {name} cannot take {steps} steps with this model's scheduler "
+            f"config ({e})" + (f"; use at most {limit}" if limit else "")
+        ) from None
 
 
 def progress_bar(done: int, total: int, elapsed: float, stream=sys.stderr) -> None:
@@ -155,20 +199,17 @@ class Text2Image:
         uncond = self.encode_text(req.negative_prompt, []) if cfg else None
         timings.text_encoding = time.perf_counter() - t0
 
-        generator = TorchCPUGenerator(req.seed)
+        if req.per_image_seeds:
+            generator = PerImageGenerators([(req.seed + i) % 2**64 for i in range(req.num_images)])
+        else:
+            generator = TorchCPUGenerator(req.seed)
         shape = (req.num_images, img["latent_channels"], img["latent_height"], img["latent_width"])
-        # One draw for all images, as diffusers draws them, then compiled-batch chunks.
-        all_latents = generator.randn(shape)
-        chunks = []
-        for start in range(0, req.num_images, self.batch):
-            latents = all_latents[start : start + self.batch]
-            n = latents.shape[0]
-            if n < self.batch:  # pad the last chunk to the compiled batch
-                pad = np.zeros((self.batch - n, *shape[1:]), np.float32)
-                latents = np.concatenate([latents, pad])
-            out = self._denoise(latents, cond, uncond, req, generator, timings, progress)
-            chunks.append(out[:n])
-        latents = np.concatenate(chunks)
+        # One draw for all images, as diffusers draws them; the scheduler then steps all images
+        # at once (its ancestral noise is one draw per step too, per image with per-image seeds)
+        # and only the UNet runs in chunks of the compiled batch.
+        latents = self._denoise(
+            generator.randn(shape), cond, uncond, req, generator, timings, progress
+        )
 
         t0 = time.perf_counter()
         images = []
@@ -188,24 +229,38 @@ class Text2Image:
     def _denoise(self, latents, cond, uncond, req, generator, timings, progress):
         sched = schedulers.create(req.scheduler, scheduler_config(self.manifest))
         sched.set_timesteps(req.steps)
+        sched.set_begin_index(0)
         latents = (latents * np.float32(sched.init_noise_sigma)).astype(np.float32)
-        cfg = uncond is not None
-        text = np.concatenate([uncond, cond]) if cfg else cond
-        g = np.float32(req.guidance_scale)
+        guided = uncond is not None
+        text = np.concatenate([uncond, cond]) if guided else cond
+        scale = np.float32(req.guidance_scale) if guided else None
         loop_start = time.perf_counter()
         for i, t in enumerate(sched.timesteps):
             t0 = time.perf_counter()
-            x = np.concatenate([latents] * self.cfg_repeats) if cfg else latents
-            x = sched.scale_model_input(x, t).astype(self.dtype)
+            x = sched.scale_model_input(latents, t).astype(self.dtype)
             tstep = np.array([t], dtype=np.float32)
-            fn = "denoise_cfg" if cfg else "denoise"
-            (eps,) = self.session.call("unet", fn, x, tstep, text)
-            eps = eps.astype(np.float32)
-            if cfg:
-                e_uncond, e_text = np.split(eps, 2)
-                eps = e_uncond + g * (e_text - e_uncond)
+            eps = np.concatenate(
+                [
+                    self._noise_pred(x[start : start + self.batch], tstep, text, scale)
+                    for start in range(0, x.shape[0], self.batch)
+                ]
+            )
             latents = sched.step(eps, t, latents, generator=generator).astype(np.float32)
             timings.steps.append(time.perf_counter() - t0)
             if progress:
                 progress(i + 1, len(sched.timesteps), time.perf_counter() - loop_start)
         return latents
+
+    def _noise_pred(self, x, tstep, text, scale):
+        """The UNet's noise prediction for one chunk of at most the compiled batch (padded to
+        it), guided with ``scale`` unless that is None."""
+        n = x.shape[0]
+        if n < self.batch:
+            x = np.concatenate([x, np.zeros((self.batch - n, *x.shape[1:]), x.dtype)])
+        if scale is None:
+            (eps,) = self.session.call("unet", "denoise", x, tstep, text)
+            return eps[:n].astype(np.float32)
+        x = np.concatenate([x] * self.cfg_repeats)
+        (eps,) = self.session.call("unet", "denoise_cfg", x, tstep, text)
+        e_uncond, e_text = np.split(eps.astype(np.float32), 2)
+        return (e_uncond + scale * (e_text - e_uncond))[:n]

@@ -34,7 +34,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["KERNELS", "TorchCPUGenerator", "detect_kernel", "kernel_for_flags"]
+__all__ = [
+    "KERNELS",
+    "PerImageGenerators",
+    "TorchCPUGenerator",
+    "detect_kernel",
+    "kernel_for_flags",
+]
 
 KERNELS = ("avx2", "scalar")
 
@@ -456,3 +462,22 @@ def _fill16_scalar_f32(u: np.ndarray) -> np.ndarray:
     theta = (2.0 * math.pi * u[:, 8:].astype(_F64)).astype(_F32)
     sin, cos = _glibc_sincosf(theta)
     return np.concatenate([radius * cos, radius * sin], axis=1)
+
+
+class PerImageGenerators:
+    """One ``TorchCPUGenerator`` per image, drawn as one: ``randn((N, ...))`` stacks image i's
+    draw of ``(1, ...)`` from generator i.
+
+    This is diffusers' ``generator=[torch.Generator("cpu").manual_seed(s) for s in seeds]`` (its
+    ``randn_tensor`` draws per generator), and AUTOMATIC1111's seed + i per image: every image
+    of a batch is remade alone from its own seed, whatever the batch it was made in.
+    """
+
+    def __init__(self, seeds: Sequence[int], kernel: str = "auto") -> None:
+        self.generators = [TorchCPUGenerator(s, kernel=kernel) for s in seeds]
+
+    def randn(self, shape: int | Sequence[int], dtype=np.float32) -> np.ndarray:
+        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(map(int, shape))
+        if not shape or shape[0] != len(self.generators):
+            raise ValueError(f"shape {shape} does not start with the {len(self.generators)} images")
+        return np.concatenate([g.randn((1, *shape[1:]), dtype=dtype) for g in self.generators])

@@ -1,7 +1,13 @@
-"""Numpy schedulers, one self-contained file each, plus a registry by command-line name."""
+"""Numpy schedulers, one self-contained file each, plus a registry by command-line name.
+
+``resolve_name`` also takes the names other tools use (AUTOMATIC1111's "Euler a", ComfyUI's
+``euler_ancestral``, stable-diffusion.cpp's ``dpm++2m``, diffusers' class names), and
+``max_steps`` says how many steps a scheduler can take with a model's config.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,14 +21,18 @@ from .lms import LMSDiscreteScheduler
 from .pndm import PNDMScheduler
 
 __all__ = [
+    "ALIASES",
     "DEFAULT_STEPS",
     "NAMES",
     "SAMPLER_LABELS",
     "NoiseGenerator",
     "Scheduler",
+    "choices_help",
     "create",
+    "max_steps",
     "name_for_class",
     "name_for_config",
+    "resolve_name",
 ]
 
 NAMES = ["euler", "euler-a", "ddim", "pndm", "dpmpp-2m", "dpmpp-2m-karras", "lms", "lcm"]
@@ -63,6 +73,19 @@ SAMPLER_LABELS = {
     "dpmpp-2m-karras": "DPM++ 2M Karras",
     "lms": "LMS",
     "lcm": "LCM",
+}
+
+# Other tools' names for the same samplers, as they spell them (shown in --help). Matching
+# ignores case, spaces, "_" and "-", and reads "++" as "pp": "DPM++ 2M" = "dpmpp_2m" = "dpm++2m".
+ALIASES = {
+    "euler": ("Euler", "k_euler"),
+    "euler-a": ("Euler a", "euler_ancestral", "euler_a", "k_euler_a", "k_euler_ancestral"),
+    "ddim": ("DDIM",),
+    "pndm": ("PLMS", "k_plms"),
+    "dpmpp-2m": ("DPM++ 2M", "dpmpp_2m", "dpm++2m", "k_dpmpp_2m"),
+    "dpmpp-2m-karras": ("DPM++ 2M Karras", "dpmpp_2m_karras", "dpmpp_2m_k", "k_dpmpp_2m_karras"),
+    "lms": ("LMS", "k_lms"),
+    "lcm": ("LCM",),
 }
 
 _CLASS_TO_NAME = {
@@ -116,3 +139,52 @@ def name_for_config(config: Mapping[str, Any]) -> str | None:
         if config.get("use_karras_sigmas"):
             return "dpmpp-2m-karras"
     return name
+
+
+def _normalise(name: str) -> str:
+    return re.sub(r"[\s_\-]+", "", name.strip().lower()).replace("++", "pp")
+
+
+_LOOKUP = {
+    **{_normalise(class_name): name for class_name, name in _CLASS_TO_NAME.items()},
+    **{_normalise(alias): name for name in NAMES for alias in (name, *ALIASES[name])},
+}
+
+
+def resolve_name(name: str) -> str:
+    """Our name (one of NAMES) for a scheduler name or any alias in ALIASES, or a diffusers
+    class name; ValueError (one line, listing the choices) for an unknown one."""
+    found = _LOOKUP.get(_normalise(name))
+    if found is None:
+        raise ValueError(
+            f"unknown scheduler {name!r}: choose one of {', '.join(NAMES)} (or a name from "
+            "AUTOMATIC1111, ComfyUI or sd.cpp for one of them, e.g. 'Euler a', 'dpmpp_2m')"
+        )
+    return found
+
+
+def choices_help() -> str:
+    """One line for --help: every name with the other names it accepts."""
+    return ", ".join(f"{name} ({', '.join(ALIASES[name])})" for name in NAMES)
+
+
+def max_steps(name: str, config: Mapping[str, Any] | None = None, upto: int | None = None) -> int:
+    """The most inference steps, at most ``upto`` (default: num_train_timesteps), that scheduler
+    ``name`` can take with ``config``; 0 if none.
+
+    Schedules are checked as set_timesteps builds them: LCM stops at original_inference_steps,
+    DDIM/PNDM where a leading spacing's offset passes the last training timestep, DPM++ 2M and
+    LMS where timesteps start to repeat. Counts past num_train_timesteps are never offered: the
+    samplers that run them only repeat timesteps or step between training timesteps.
+    """
+    scheduler = create(name, config)
+    limit = int(scheduler.config["num_train_timesteps"])
+    if upto is not None:
+        limit = min(limit, upto)
+    for n in range(limit, 0, -1):
+        try:
+            scheduler.set_timesteps(n)
+        except ValueError:
+            continue
+        return n
+    return 0

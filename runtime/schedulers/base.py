@@ -336,6 +336,16 @@ class Scheduler:
     def _reset_history(self) -> None:
         """Forget per-run state (set_timesteps starts a new run); subclasses extend this."""
         self._step_index: int | None = None
+        self._begin_index: int | None = None
+
+    def set_begin_index(self, begin_index: int = 0) -> None:
+        """Start the run at schedule position ``begin_index`` (diffusers' ``set_begin_index``).
+
+        Without it the first step() looks its timestep up, and a timestep that repeats is taken
+        at its second position (for img2img). A text-to-image run starts at 0: call this after
+        set_timesteps, or schedules whose first timestep repeats run off their end.
+        """
+        self._begin_index = int(begin_index)
 
     def set_timesteps(self, num_inference_steps: int) -> None:
         raise NotImplementedError
@@ -369,7 +379,9 @@ class Scheduler:
     def _init_step_index(self, timestep: Any) -> int:
         """Current step: looked up from ``timestep`` on the first call of a run, then the index
         that step() advanced to (so repeated timesteps are walked in order)."""
-        if self._step_index is None:
+        if self._step_index is None and self._begin_index is not None:
+            self._step_index = self._begin_index
+        elif self._step_index is None:
             index = index_for_timestep(self.timesteps, timestep)
             self._step_index = self._missing_timestep_index(timestep) if index is None else index
         return self._step_index
@@ -450,6 +462,18 @@ class AlphaScheduler(Scheduler):
         self.final_alpha_cumprod = (
             1.0 if self.config["set_alpha_to_one"] else float(self.alphas_cumprod[0])
         )
+
+    def _check_in_training_range(self, timesteps: np.ndarray, num_inference_steps: int) -> None:
+        """Refuse a schedule that reaches past the last training timestep (a "leading" spacing
+        with a steps_offset at as many steps as training timesteps), where diffusers fails with an
+        IndexError mid-run."""
+        last = int(self.config["num_train_timesteps"]) - 1
+        if len(timesteps) and int(timesteps.max()) > last:
+            raise ValueError(
+                f"{num_inference_steps} steps with timestep_spacing {self.config['timestep_spacing']!r}"
+                f" and steps_offset {self.config['steps_offset']} reach timestep "
+                f"{int(timesteps.max())}, past the last training timestep {last}"
+            )
 
     def _alpha_prod(self, t: int) -> float:
         return float(self.alphas_cumprod[t]) if t >= 0 else self.final_alpha_cumprod

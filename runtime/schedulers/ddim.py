@@ -53,7 +53,9 @@ class DDIMScheduler(AlphaScheduler):
             raise ValueError(
                 f"num_inference_steps ({n}) cannot exceed num_train_timesteps ({t_train})"
             )
-        self.timesteps = np.round(self._spaced_timesteps(n)).astype(np.int64)
+        timesteps = np.round(self._spaced_timesteps(n)).astype(np.int64)
+        self._check_in_training_range(timesteps, n)
+        self.timesteps = timesteps
         self.num_inference_steps = n
 
     def step(

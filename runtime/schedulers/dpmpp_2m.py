@@ -124,12 +124,37 @@ class DPMSolverMultistepScheduler(Scheduler):
             timesteps = t_frac.astype(np.int64)
         else:
             sigmas = interp_sigmas(timesteps, self._train_sigmas)
-        self.sigmas = np.concatenate([sigmas, [final_sigma(cfg, self._train_sigmas)]]).astype(
-            np.float32
-        )
+        sigmas = np.concatenate([sigmas, [final_sigma(cfg, self._train_sigmas)]]).astype(np.float32)
+        self._check_no_zero_interval(sigmas, n)
+        self.sigmas = sigmas
         self.timesteps = timesteps
         self.num_inference_steps = len(timesteps)
         self._reset_history()
+
+    def _first_order_final(self, i: int, n: int) -> bool:
+        """Whether step i of n takes the first-order update although history is there."""
+        cfg = self.config
+        return i == n - 1 and (
+            cfg["euler_at_final"]
+            or (cfg["lower_order_final"] and n < 15)
+            or cfg["final_sigmas_type"] == "zero"
+        )
+
+    def _check_no_zero_interval(self, sigmas: np.ndarray, n: int) -> None:
+        """Refuse a schedule with a repeated sigma that a second-order step would divide by.
+
+        Past about num_train_timesteps - 1 steps the rounded timesteps repeat; the step after a
+        repeat has h_prev = 0, and r = h_prev / h = 0 gives diffusers NaN latents (and took this
+        port into a ZeroDivisionError).
+        """
+        steps = len(sigmas) - 1
+        for i in range(1, steps):
+            if sigmas[i - 1] == sigmas[i] and not self._first_order_final(i, steps):
+                raise ValueError(
+                    f"{n} steps with timestep_spacing {self.config['timestep_spacing']!r} repeat "
+                    f"a timestep (step {i}), which DPM++ 2M cannot take (its next update divides "
+                    "by zero)"
+                )
 
     @staticmethod
     def _alpha_sigma(sigma: float) -> tuple[float, float]:
@@ -162,15 +187,8 @@ class DPMSolverMultistepScheduler(Scheduler):
         generator: NoiseGenerator | None = None,
     ) -> np.ndarray:
         self._require_timesteps()
-        cfg = self.config
         i = self._init_step_index(timestep)
-        n = len(self.timesteps)
-        short = n < 15
-        first_order_final = i == n - 1 and (
-            cfg["euler_at_final"]
-            or (cfg["lower_order_final"] and short)
-            or cfg["final_sigmas_type"] == "zero"
-        )
+        first_order_final = self._first_order_final(i, len(self.timesteps))
 
         sample = sample.astype(np.float32, copy=False)
         sigma_cur = float(self.sigmas[i])

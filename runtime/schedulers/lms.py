@@ -35,6 +35,21 @@ class LMSDiscreteScheduler(SigmaScheduler):
         "timestep_spacing": TIMESTEP_SPACINGS,
     }
 
+    def set_timesteps(self, num_inference_steps: int) -> None:
+        super().set_timesteps(num_inference_steps)
+        # A repeated sigma is a repeated interpolation node: the coefficients divide by zero and
+        # the latents turn NaN (in diffusers too). Leading spacing with a steps_offset at
+        # num_train_timesteps steps clamps its first two timesteps to the same sigma.
+        steps = self.sigmas[:-1]
+        repeats = np.flatnonzero(steps[1:] == steps[:-1])
+        if len(repeats):
+            self.num_inference_steps = None
+            raise ValueError(
+                f"{num_inference_steps} steps with timestep_spacing "
+                f"{self.config['timestep_spacing']!r} repeat a sigma (step {int(repeats[0]) + 1}), "
+                "which LMS cannot take (its coefficients divide by zero)"
+            )
+
     def _reset_history(self) -> None:
         super()._reset_history()
         self.derivatives: list[np.ndarray] = []

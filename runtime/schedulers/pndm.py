@@ -61,6 +61,7 @@ class PNDMScheduler(AlphaScheduler):
         t_train = int(cfg["num_train_timesteps"])
         # Ascending grid of n training timesteps.
         grid = np.round(self._spaced_timesteps(n)).astype(np.int64)[::-1]
+        self._check_in_training_range(grid, n)
         if cfg["skip_prk_steps"]:
             prk = np.empty(0, dtype=np.int64)
             # Descending, with the second point repeated for the Heun-like warm-up step.

@@ -220,3 +220,19 @@ def test_latent_draw_is_fast(kernel):
 def test_module_does_not_import_torch():
     code = "import sys, sdiree.runtime.rng; sys.exit('torch' in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_per_image_generators_are_diffusers_generator_lists():
+    """diffusers' randn_tensor with a list of generators draws each image from its own."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    seeds = [7, 8, 2**40]
+    gens = rng.PerImageGenerators(seeds, kernel=torch_kernel())
+    refs = [torch.Generator("cpu").manual_seed(s) for s in seeds]
+    for shape in [(3, 4, 8, 8), (3, 4, 8, 8), (3, 5)]:
+        assert_same(gens.randn(shape), randn_tensor(shape, generator=refs).numpy())
+    # Image i alone, from its own seed, is the same as in the batch.
+    alone = TorchCPUGenerator(8, kernel=torch_kernel()).randn((1, 4, 8, 8))
+    np.testing.assert_array_equal(rng.PerImageGenerators(seeds).randn((3, 4, 8, 8))[1:2], alone)
+    with pytest.raises(ValueError):
+        gens.randn((2, 4))
