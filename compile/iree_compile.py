@@ -1,12 +1,26 @@
-"""Run iree-compile on one MLIR module with a target's flags; the vmfb appears atomically."""
+"""Run iree-compile on one MLIR module with a target's flags; the vmfb appears atomically.
+
+The compiler child never outlives sdiree: on Linux the kernel kills it when its parent dies
+(even by SIGKILL), and an interrupted or terminated compile kills and reaps it before its
+temporary output is removed.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+import signal
 import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from sdiree.runtime.errors import UserError
-from sdiree.runtime.fileutil import atomic_path
+from sdiree.runtime.fileutil import atomic_path, atomic_write_bytes
+
+PR_SET_PDEATHSIG = 1
 
 
 def iree_compile_tool() -> str:
@@ -21,22 +35,106 @@ def compiler_version() -> str:
     return version("iree-base-compiler")
 
 
-def compile_mlir(mlir: Path, vmfb: Path, flags: list[str], log_path: Path) -> None:
-    """Compile mlir to vmfb; on failure write the compiler output to log_path and raise. A log
-    left by an earlier failure is removed once the module compiles."""
-    with atomic_path(vmfb) as tmp:
-        proc = subprocess.run(
-            [iree_compile_tool(), str(mlir), "-o", str(tmp), *flags],
-            capture_output=True,
-            text=True,
-        )
-        if proc.returncode != 0 or not tmp.exists():
-            log_path.write_text(proc.stderr + proc.stdout)
-            first = next(
-                (ln for ln in proc.stderr.splitlines() if "error:" in ln),
-                proc.stderr.strip().splitlines()[0] if proc.stderr.strip() else "no output",
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that has the kernel SIGKILL the child once this process dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before fork, not in the child
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """Turn SIGTERM into SystemExit for the block, so that `finally` clauses (killing the child,
+    removing temporary files) run; Python's default SIGTERM ends the process without them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def unwind(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(cmd: list[str]) -> tuple[int, str]:
+    """Run cmd, returning its exit status and its stderr and stdout; the child is killed and
+    reaped if this returns by an exception (Ctrl-C, SIGTERM)."""
+    with _sigterm_unwinds():
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                errors="replace",
+                preexec_fn=_die_with_parent(),
             )
+        except OSError as e:
+            raise UserError(
+                f"cannot run iree-compile ({e}); reinstall the compile extra: "
+                "pip install 'sdiree[compile]'"
+            ) from None
+        try:
+            out, err = proc.communicate()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return proc.returncode, err + out
+
+
+def compile_mlir(mlir: Path, vmfb: Path, flags: list[str], log_path: Path) -> None:
+    """Compile mlir to vmfb; on failure write the compiler output (if any) to log_path and raise.
+    A log left by an earlier failure is removed once the module compiles."""
+    with atomic_path(vmfb) as tmp:
+        code, output = _run([iree_compile_tool(), str(mlir), "-o", str(tmp), *flags])
+        if code < 0:
+            raise UserError(_killed_message(mlir, -code, output, log_path))
+        if code != 0 or not tmp.exists():
+            first = next(
+                (ln for ln in output.splitlines() if "error:" in ln),
+                output.strip().splitlines()[0] if output.strip() else "",
+            )
+            if not output.strip():
+                raise UserError(
+                    f"iree-compile failed for {mlir.name} (exit status {code}) without any output"
+                )
+            atomic_write_bytes(log_path, output.encode())
             raise UserError(
                 f"iree-compile failed for {mlir.name}: {first.strip()[:300]} (full log: {log_path})"
             )
     log_path.unlink(missing_ok=True)
+
+
+def _killed_message(mlir: Path, signum: int, output: str, log_path: Path) -> str:
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    why = (
+        " (out of memory? the kernel's OOM killer sends SIGKILL: see `dmesg`, close other "
+        "programs or compile a smaller --height/--width)"
+        if signum == signal.SIGKILL
+        else ""
+    )
+    log = ""
+    if output.strip():
+        atomic_write_bytes(log_path, output.encode())
+        log = f"; its output so far: {log_path}"
+    return f"iree-compile was killed by {name} while compiling {mlir.name}{why}{log}"

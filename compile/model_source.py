@@ -1,7 +1,8 @@
 """A diffusers model folder on disk: validation, its configs, a content hash, and loading.
 
 Nothing is downloaded: the folder is read exactly as diffusers' from_pretrained reads a model
-it fetched earlier.
+it fetched earlier. Everything the compiler reads from the folder is checked here, before any
+file is written, so a damaged or foreign folder is one clear error rather than a traceback.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import contextlib
 import hashlib
 import importlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,99 @@ from sdiree.runtime.fileutil import atomic_write_json
 REQUIRED = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 HASHED_SUFFIXES = {".json", ".safetensors", ".bin", ".txt", ".model"}
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+# Libraries a component may come from: importing a module named by a downloaded file runs its
+# code, so only these two are imported.
+LIBRARIES = ("diffusers", "transformers")
+TOKENIZER_NEEDS = ("vocab.json", "merges.txt")
+REDOWNLOAD = "re-download or re-save the model"
+
+# The config keys the compiler reads, per component: (key, kind, required). A missing optional
+# key takes the default its reader gives it.
+CONFIG_KEYS = {
+    "unet": (
+        ("sample_size", "size", True),
+        ("in_channels", "size", True),
+        ("cross_attention_dim", "size", True),
+    ),
+    "vae": (("block_out_channels", "sizes", True), ("scaling_factor", "number", False)),
+    "text_encoder": (("hidden_size", "size", True), ("max_position_embeddings", "size", False)),
+    "scheduler": (
+        ("num_train_timesteps", "size", False),
+        ("beta_start", "number", False),
+        ("beta_end", "number", False),
+        ("beta_schedule", "text", False),
+        ("prediction_type", "text", False),
+    ),
+}
+KINDS = {
+    "size": "a positive integer",
+    "sizes": "a non-empty list of positive integers",
+    "number": "a finite number",
+    "text": "a string",
+}
+
+
+def _is_size(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _fits(value, kind: str) -> bool:
+    if kind == "size":
+        return _is_size(value)
+    if kind == "sizes":
+        return isinstance(value, list) and len(value) > 0 and all(map(_is_size, value))
+    if kind == "number":
+        return (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        )
+    return isinstance(value, str)
+
+
+def _json_type(value) -> str:
+    names = {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number")
+
+
+def read_json_object(path: Path, what: str) -> dict:
+    """A JSON file that must hold an object; UserError naming the file when it does not."""
+    try:
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise UserError(
+            f"{path} is missing; the model folder is incomplete: {REDOWNLOAD}"
+        ) from None
+    except (ValueError, OSError) as e:  # JSONDecodeError, UnicodeDecodeError, unreadable
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{path} is not valid JSON ({why}); it is damaged: {REDOWNLOAD}") from None
+    if not isinstance(data, dict):
+        raise UserError(
+            f"{path} holds a JSON {_json_type(data)}, not the object {what} should be; {REDOWNLOAD}"
+        )
+    return data
+
+
+def check_config(config: dict, component: str, path: Path) -> dict:
+    """config, after checking the type of every key the compiler reads (CONFIG_KEYS)."""
+    for key, kind, required in CONFIG_KEYS.get(component, ()):
+        if key not in config:
+            if required:
+                raise UserError(
+                    f"{path} has no '{key}' ({KINDS[kind]}), which sdiree compile needs; "
+                    f"is this an SD 1.x {component}? {REDOWNLOAD}"
+                )
+            continue
+        if not _fits(config[key], kind):
+            shown = json.dumps(config[key])
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise UserError(
+                f"{path}: '{key}' is {shown}, but must be {KINDS[kind]}; fix the file or "
+                f"{REDOWNLOAD}"
+            )
+    return config
+
+
+def _is_pair(entry) -> bool:
+    return isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, str) for x in entry)
 
 
 @dataclass
@@ -32,11 +127,10 @@ class ModelSource:
         return self.path.name
 
     def config(self, component: str) -> dict:
-        folder = self.path / component
-        for fname in ("config.json", "scheduler_config.json"):
-            if (folder / fname).is_file():
-                return json.loads((folder / fname).read_text())
-        raise UserError(f"{folder} has no config.json; the model folder is incomplete")
+        """The component's config.json (scheduler: scheduler_config.json), its keys checked."""
+        fname = "scheduler_config.json" if component == "scheduler" else "config.json"
+        path = self.path / component / fname
+        return check_config(read_json_object(path, f"{component}'s config"), component, path)
 
     def component_class(self, component: str) -> tuple[str, str]:
         library, cls = self.index[component]
@@ -78,7 +172,9 @@ class ModelSource:
         return h.hexdigest()
 
     def components(self) -> list[str]:
-        return [k for k, v in self.index.items() if not k.startswith("_") and v and v[0]]
+        """The index's components: its [library, class] entries (not "_class_name", the
+        [null, null] of an absent part, or options such as "requires_safety_checker": false)."""
+        return [k for k, v in self.index.items() if not k.startswith("_") and _is_pair(v)]
 
     def load(self, component: str):
         """Instantiate a component with its library class (diffusers or transformers)."""
@@ -101,14 +197,16 @@ def open_model(path: Path) -> ModelSource:
             f"{path} is not a diffusers model folder (no model_index.json); pass the folder "
             "that holds model_index.json, unet/, vae/, text_encoder/, tokenizer/, scheduler/"
         )
-    try:
-        index = json.loads(index_path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{index_path} is not valid JSON ({e})") from None
+    index = read_json_object(index_path, "a pipeline's model_index.json")
     for comp in REQUIRED:
         entry = index.get(comp)
-        if not entry or not isinstance(entry, list) or entry[0] is None:
+        if not entry or (isinstance(entry, list) and entry[0] is None):
             raise UserError(f"{path}: model_index.json lists no '{comp}'; an SD model needs one")
+        if not _is_pair(entry):
+            raise UserError(
+                f"{index_path}: '{comp}' is {json.dumps(entry)[:60]}, but must be a "
+                f'[library, class] pair such as ["diffusers", "UNet2DConditionModel"]'
+            )
         folder = path / comp
         if not folder.is_dir():
             raise UserError(f"{path} is missing the submodule folder '{comp}/'")
@@ -116,4 +214,32 @@ def open_model(path: Path) -> ModelSource:
             p.name.endswith(WEIGHT_SUFFIXES) for p in folder.iterdir()
         ):
             raise UserError(f"{folder} holds no weights (*.safetensors or *.bin)")
+    for name in TOKENIZER_NEEDS:
+        if not (path / "tokenizer" / name).is_file():
+            raise UserError(
+                f"{path / 'tokenizer'} has no {name}; sdiree needs a CLIP BPE tokenizer "
+                f"({' and '.join(TOKENIZER_NEEDS)})"
+            )
+    read_json_object(path / "tokenizer" / "vocab.json", "a tokenizer vocabulary")
+    for comp in REQUIRED:
+        _check_class(index_path, comp, *index[comp])
     return ModelSource(path=path, index=index)
+
+
+def _check_class(index_path: Path, component: str, library: str, cls_name: str) -> None:
+    """The class model_index.json names for a component exists in its library."""
+    if library not in LIBRARIES:
+        raise UserError(
+            f"{index_path}: '{component}' comes from library '{library}'; sdiree loads "
+            f"components from {' or '.join(LIBRARIES)} only"
+        )
+    try:
+        cls = getattr(importlib.import_module(library), cls_name, None)
+    except (ImportError, RuntimeError) as e:  # diffusers' lazy imports raise RuntimeError
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot import {library}.{cls_name} for {component} ({why})") from None
+    if not isinstance(cls, type) or not hasattr(cls, "from_pretrained"):
+        raise UserError(
+            f"{index_path}: '{component}' names class {cls_name}, which {library} does not "
+            "have; is this an SD 1.x diffusers folder? (a newer library version may be needed)"
+        )

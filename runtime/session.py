@@ -66,7 +66,7 @@ class Session:
         self._vm_modules = {}
         for name in submodules:
             sub = manifest.submodules[name]
-            self._vm_modules[name] = rt.VmModule.mmap(self.instance, str(manifest.path(sub.vmfb)))
+            self._vm_modules[name] = map_module(self.instance, manifest.path(sub.vmfb))
         self.context = rt.VmContext(self.instance, modules=[*modules, *self._vm_modules.values()])
 
     def decl(self, submodule: str, function: str) -> FunctionDecl:
@@ -86,6 +86,28 @@ class Session:
         if not isinstance(results, (list, tuple)):
             results = [results]
         return [to_host(self.device, r) for r in results]
+
+
+def map_module(instance, path: Path):
+    """A VmModule over a read-only memory map of a .vmfb.
+
+    iree's VmModule.mmap opens the file for writing ("r+b") though it maps it read-only, which
+    fails on a read-only file system or a shared model the user may not write; this does what
+    it does with the file opened for reading.
+    """
+    import mmap
+
+    import iree.runtime as rt
+
+    with open(path, "rb") as f:
+        if hasattr(mmap, "MAP_SHARED"):
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapped = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
+        else:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_RANDOM"):
+        mapped.madvise(mmap.MADV_RANDOM)
+    return rt.VmModule.wrap_buffer(instance, mapped, close_buffer=True)
 
 
 def parameter_providers(archives: list[tuple[str, Path]]) -> list:

@@ -165,25 +165,200 @@ def _cpu_features(value) -> tuple[str, ...] | str:
     return "host" if value == "host" else tuple(value)
 
 
+# The fields targets.json may hold (specs/README.md explains them), with their JSON types.
+# Keys that start with "_" are comments. "flag_map": {name: [strings]}; "str_map": {name: string};
+# "obj_map": {name: object}.
+SUBMODULE_NAMES = ("text_encoder", "unet", "vae_decoder", "vae_encoder")
+TOP_FIELDS = {"schema_version": "int", "targets": "obj_map"}
+TARGET_FIELDS = {
+    "description": "str",
+    "driver": "str",
+    "default_dtype": "str",
+    "dtypes": "strs",
+    "default_arch": "str",
+    "export": "dict",
+    "flags": "strs",
+    "submodule_flags": "flag_map",
+    "submodule_export": "obj_map",
+    "tuning_specs": "str_map",
+    "arches": "obj_map",
+    "dtype_options": "obj_map",
+    "refused_dtypes": "str_map",
+    "encode_parameters": "bool",
+}
+ARCH_FIELDS = {
+    "description": "str",
+    "flags": "strs",
+    "device_match": "strs",
+    "cpu_emulated": "bool",
+    "refused_dtypes": "str_map",
+    "cpu_features": "features",
+}
+DTYPE_OPTION_FIELDS = {
+    "export_dtype": "str",
+    "flags": "strs",
+    "flags_if_cpu_lacks": "flag_map",
+    "submodule_flags": "flag_map",
+}
+# Export choices (compile/exporters: ATTENTIONS, CONV_CHOICES; runtime stays torch-free, so
+# they are repeated here and a test keeps them equal).
+EXPORT_CHOICES = {
+    "attention": ("sdpa", "decomposed", "chunked"),
+    "conv": ("native", "matmul", "winograd", "winograd4", "pointwise_einsum"),
+}
+UNET_ONLY_EXPORT = "winograd4_min_side"  # a positive integer, in submodule_export.unet only
+KIND_NAMES = {
+    "int": "an integer",
+    "str": "a string",
+    "bool": "true or false",
+    "strs": "a list of strings",
+    "dict": "an object",
+    "obj_map": "an object of objects",
+    "str_map": "an object of strings",
+    "flag_map": "an object of string lists",
+    "features": '"host" or a list of strings',
+}
+
+
+def _is_strs(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _fits(v, kind: str) -> bool:
+    checks = {
+        "int": lambda: isinstance(v, int) and not isinstance(v, bool),
+        "str": lambda: isinstance(v, str),
+        "bool": lambda: isinstance(v, bool),
+        "strs": lambda: _is_strs(v),
+        "dict": lambda: isinstance(v, dict),
+        "obj_map": lambda: isinstance(v, dict) and all(isinstance(x, dict) for x in v.values()),
+        "str_map": lambda: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+        "flag_map": lambda: isinstance(v, dict) and all(map(_is_strs, v.values())),
+        "features": lambda: v == "host" or _is_strs(v),
+    }
+    return checks[kind]()
+
+
+class _Checker:
+    """Reports the first problem in targets.json as one line naming the field's place."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def fail(self, where: str, problem: str) -> None:
+        raise UserError(
+            f"{self.path}: {where + ' ' if where else ''}{problem}; fix it (specs/README.md lists the fields) or "
+            "restore the shipped specs"
+        )
+
+    def fields(self, obj: dict, kinds: dict, required: tuple[str, ...], where: str) -> None:
+        for key, value in obj.items():
+            if key.startswith("_"):
+                continue
+            at = f"{where}.{key}" if where else key
+            if key not in kinds:
+                self.fail(at, f"is not a known field ({', '.join(kinds)})")
+            if not _fits(value, kinds[key]):
+                self.fail(at, f"must be {KIND_NAMES[kinds[key]]}, not {value!r:.60}")
+        for key in required:
+            if key not in obj:
+                self.fail(where, f"has no '{key}'")
+
+    def export(self, choices: dict, where: str, unet: bool) -> None:
+        for key, value in choices.items():
+            if key == UNET_ONLY_EXPORT and unet:
+                if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                    self.fail(f"{where}.{key}", f"must be a positive integer, not {value!r:.60}")
+            elif key == UNET_ONLY_EXPORT:
+                self.fail(f"{where}.{key}", "applies to the unet only (submodule_export.unet)")
+            elif key not in EXPORT_CHOICES:
+                known = [*EXPORT_CHOICES, UNET_ONLY_EXPORT]
+                self.fail(f"{where}.{key}", f"is not a known export choice ({', '.join(known)})")
+            elif value not in EXPORT_CHOICES[key]:
+                self.fail(
+                    f"{where}.{key}",
+                    f"is {value!r:.60}, not one of {', '.join(EXPORT_CHOICES[key])}",
+                )
+
+    def names(self, keys, allowed, where: str, what: str) -> None:
+        for k in keys:
+            if k not in allowed:
+                self.fail(where, f"names {what} '{k}', which is not one of {', '.join(allowed)}")
+
+
+def check_registry(data: dict, path: Path) -> None:
+    """Check every field of a parsed targets.json and every name one field gives another."""
+    c = _Checker(path)
+    c.fields(data, TOP_FIELDS, ("targets",), "")
+    if not data["targets"]:
+        c.fail("targets", "is empty")
+    for name, t in data["targets"].items():
+        w = f"targets.{name}"
+        c.fields(t, TARGET_FIELDS, ("driver", "default_dtype", "default_arch", "arches"), w)
+        dtypes = t.get("dtypes", list(DTYPES))
+        c.names(dtypes, DTYPES, f"{w}.dtypes", "dtype")
+        if not dtypes:
+            c.fail(f"{w}.dtypes", "is empty")
+        c.names([t["default_dtype"]], dtypes, f"{w}.default_dtype", "dtype")
+        if not t["arches"]:
+            c.fail(f"{w}.arches", "is empty")
+        c.names([t["default_arch"]], [*t["arches"], "auto"], f"{w}.default_arch", "arch preset")
+        c.names(t.get("refused_dtypes", {}), dtypes, f"{w}.refused_dtypes", "dtype")
+        c.names(t.get("dtype_options", {}), dtypes, f"{w}.dtype_options", "dtype")
+        for key in ("submodule_flags", "submodule_export"):
+            c.names(t.get(key, {}), SUBMODULE_NAMES, f"{w}.{key}", "submodule")
+        c.export(t.get("export", {}), f"{w}.export", unet=False)
+        for sub, choices in t.get("submodule_export", {}).items():
+            c.export(choices, f"{w}.submodule_export.{sub}", unet=sub == "unet")
+        c.names(
+            t.get("tuning_specs", {}), [*SUBMODULE_NAMES, "*"], f"{w}.tuning_specs", "submodule"
+        )
+        for d, opt in t.get("dtype_options", {}).items():
+            wd = f"{w}.dtype_options.{d}"
+            c.fields(opt, DTYPE_OPTION_FIELDS, ("export_dtype",), wd)
+            c.names([opt["export_dtype"]], DTYPES, f"{wd}.export_dtype", "dtype")
+            c.names(opt.get("submodule_flags", {}), SUBMODULE_NAMES, wd, "submodule")
+        for a, spec in t["arches"].items():
+            wa = f"{w}.arches.{a}"
+            c.fields(spec, ARCH_FIELDS, (), wa)
+            c.names(spec.get("refused_dtypes", {}), dtypes, f"{wa}.refused_dtypes", "dtype")
+            for pattern in spec.get("device_match", ()):
+                try:
+                    re.compile(pattern)
+                except re.error as e:
+                    c.fail(f"{wa}.device_match", f"holds {pattern!r}, not a regex ({e})")
+        if all(d in t.get("refused_dtypes", {}) for d in dtypes):
+            c.fail(f"{w}.refused_dtypes", "refuses every dtype the target has")
+
+
 def default_specs_dir() -> Path:
     return Path(str(resources.files("sdiree.specs")))
 
 
 def load_registry(specs_dir: Path | None = None) -> Registry:
-    """Read targets.json from specs_dir (default: the shipped specs)."""
+    """Read targets.json from specs_dir (default: the shipped specs), checking every field."""
     specs_dir = Path(specs_dir) if specs_dir else default_specs_dir()
     path = specs_dir / "targets.json"
+    if not specs_dir.is_dir():
+        raise UserError(f"specs directory {specs_dir} does not exist; check --specs")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_bytes())
     except FileNotFoundError:
-        raise UserError(f"no targets.json in specs directory {specs_dir}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON ({e}); fix or restore it") from None
+        raise UserError(
+            f"no targets.json in specs directory {specs_dir}; --specs takes a copy of the "
+            "shipped specs/ directory"
+        ) from None
+    except (ValueError, OSError) as e:  # JSONDecodeError, UnicodeDecodeError, unreadable
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{path} is not valid JSON ({why}); fix or restore it") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} holds a JSON {type(data).__name__}, not an object; restore it")
     if data.get("schema_version") != SCHEMA_VERSION:
         raise UserError(
             f"{path} has schema_version {data.get('schema_version')}, this sdiree reads "
             f"{SCHEMA_VERSION}"
         )
+    check_registry(data, path)
     targets = {}
     for name, t in data["targets"].items():
         arches = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -105,3 +106,129 @@ def test_unknown_dtype(tiny_model, tmp_path):
         run_compile(tiny_model, "--target", "cpu", "--dtype", "int4", "--out", tmp_path / "o"),
         "dtype",
     )
+
+
+def _edit_json(rel: str, change):
+    """A mutation that loads model file rel, applies change(data) (its result, if not None,
+    replaces data) and writes it back."""
+
+    def mutate(model):
+        path = model / rel
+        data = json.loads(path.read_text())
+        data = change(data) or data
+        path.write_text(json.dumps(data))
+
+    return mutate
+
+
+def _truncate(rel: str):
+    def mutate(model):
+        text = (model / rel).read_text()
+        (model / rel).write_text(text[: len(text) // 2])
+
+    return mutate
+
+
+def _set(rel: str, key: str, value):
+    return _edit_json(rel, lambda d: d.__setitem__(key, value))
+
+
+def _drop(rel: str, key: str):
+    return _edit_json(rel, lambda d: d.pop(key) and None)
+
+
+def _remove(rel: str):
+    return lambda model: (model / rel).unlink()
+
+
+# A damaged or foreign model folder: (mutation, what the one error line must say).
+BAD_MODELS = {
+    "truncated-unet-config": (_truncate("unet/config.json"), "unet/config.json is not valid JSON"),
+    "truncated-vae-config": (_truncate("vae/config.json"), "vae/config.json is not valid JSON"),
+    "truncated-text-encoder-config": (
+        _truncate("text_encoder/config.json"),
+        "text_encoder/config.json is not valid JSON",
+    ),
+    "truncated-scheduler-config": (
+        _truncate("scheduler/scheduler_config.json"),
+        "scheduler_config.json is not valid JSON",
+    ),
+    "truncated-model-index": (_truncate("model_index.json"), "model_index.json is not valid JSON"),
+    "binary-unet-config": (
+        lambda m: (m / "unet/config.json").write_bytes(b"\xff\xfe\x00garbage"),
+        "unet/config.json is not valid JSON",
+    ),
+    "model-index-is-a-list": (_edit_json("model_index.json", lambda d: [d]), "holds a JSON list"),
+    "unet-config-is-a-list": (_edit_json("unet/config.json", lambda d: [d]), "holds a JSON list"),
+    "unknown-unet-class": (
+        _set("model_index.json", "unet", ["diffusers", "NoSuchModel"]),
+        "names class NoSuchModel, which diffusers does not have",
+    ),
+    "unet-entry-not-a-pair": (
+        _set("model_index.json", "unet", "UNet2DConditionModel"),
+        "must be a [library, class] pair",
+    ),
+    "unet-from-another-library": (
+        _set("model_index.json", "unet", ["os", "system"]),
+        "comes from library 'os'",
+    ),
+    "vae-block-out-channels-int": (
+        _set("vae/config.json", "block_out_channels", 5),
+        "'block_out_channels' is 5, but must be a non-empty list of positive integers",
+    ),
+    "unet-sample-size-string": (
+        _set("unet/config.json", "sample_size", "64"),
+        "'sample_size' is \"64\", but must be a positive integer",
+    ),
+    "unet-sample-size-missing": (
+        _drop("unet/config.json", "sample_size"),
+        "unet/config.json has no 'sample_size'",
+    ),
+    "unet-cross-attention-dim-missing": (
+        _drop("unet/config.json", "cross_attention_dim"),
+        "has no 'cross_attention_dim'",
+    ),
+    "text-encoder-hidden-size-null": (
+        _set("text_encoder/config.json", "hidden_size", None),
+        "'hidden_size' is null",
+    ),
+    "vae-scaling-factor-string": (
+        _set("vae/config.json", "scaling_factor", "0.18215"),
+        "'scaling_factor' is \"0.18215\", but must be a finite number",
+    ),
+    "scheduler-config-missing": (
+        _remove("scheduler/scheduler_config.json"),
+        "scheduler/scheduler_config.json is missing",
+    ),
+    "tokenizer-merges-missing": (_remove("tokenizer/merges.txt"), "has no merges.txt"),
+    "truncated-vocab": (_truncate("tokenizer/vocab.json"), "vocab.json is not valid JSON"),
+}
+
+
+@pytest.fixture
+def model_copy(tiny_model, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model, copy)
+    return copy
+
+
+@pytest.mark.parametrize("case", list(BAD_MODELS))
+def test_bad_model_folder_is_one_line(model_copy, tmp_path, case):
+    mutate, says = BAD_MODELS[case]
+    mutate(model_copy)
+    out = tmp_path / "artifacts" / "out"
+    assert_clean_failure(run_compile(model_copy, "--target", "cpu", "--out", out), says)
+    assert not (tmp_path / "artifacts").exists()
+    assert not [p for p in model_copy.rglob("*") if p.name.startswith(".")]
+
+
+def test_non_component_index_entries_are_tolerated(model_copy, tmp_path):
+    """Pipeline options in model_index.json (a boolean, a string, an absent part's [null, null])
+    are not components: the folder opens, and the first error is the bad --height."""
+    index = json.loads((model_copy / "model_index.json").read_text())
+    index.update(force_zeros_for_empty_prompt=True, image_processor="x", watermarker=[None, None])
+    (model_copy / "model_index.json").write_text(json.dumps(index))
+    out = tmp_path / "out"
+    proc = run_compile(model_copy, "--target", "cpu", "--height", 100, "--out", out)
+    assert_clean_failure(proc, "multiple of 8")
+    assert not out.exists()

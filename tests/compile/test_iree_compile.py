@@ -1,11 +1,22 @@
-"""compile/iree_compile: a failed compile leaves its log and no vmfb; a later success clears it."""
+"""compile/iree_compile: a failed compile leaves its log and no vmfb; a later success clears it.
+A killed compile leaves no compiler child running, and no empty log or temporary vmfb."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
 import pytest
 
+from sdiree.compile import iree_compile
 from sdiree.compile.iree_compile import compile_mlir
 from sdiree.runtime.errors import UserError
+from sdiree.runtime.fileutil import remove_stale_temps
 from sdiree.runtime.targets import load_registry
 
 GOOD = """
@@ -27,3 +38,114 @@ def test_failure_log_then_success_removes_it(tmp_path):
     compile_mlir(src, vmfb, flags, log)
     assert vmfb.stat().st_size > 0 and not log.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+# A stand-in iree-compile (called as `tool MLIR -o OUT FLAGS...`) that starts its output, says
+# its pid, then compiles "forever", so it can be killed midway.
+SLOW_TOOL = """#!/bin/sh
+printf partial > "$3"
+echo $$ > "$PIDFILE"
+exec sleep 120
+"""
+
+# compile_mlir in a process of its own, with the stand-in tool; Ctrl-C ends it as the CLI does.
+HARNESS = """
+import sys
+from pathlib import Path
+import sdiree.compile.iree_compile as ic
+ic.iree_compile_tool = lambda: sys.argv[1]
+d = Path(sys.argv[2])
+try:
+    ic.compile_mlir(d / "m.mlir", d / "m.vmfb", [], d / "m.compile.log")
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def _tool(tmp_path, body: str) -> str:
+    tool = tmp_path / "fake-iree-compile"
+    tool.write_text(body)
+    tool.chmod(0o755)
+    return str(tool)
+
+
+def _gone(pid: int, within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_compiler_child_dies_with_its_parent(tmp_path, how):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "m.mlir").write_text(GOOD)
+    pidfile = tmp_path / "child.pid"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", HARNESS, _tool(tmp_path, SLOW_TOOL), str(work)],
+        env={**os.environ, "PIDFILE": str(pidfile)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    child = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (pidfile.is_file() and pidfile.read_text().strip()):
+            assert parent.poll() is None and time.monotonic() < deadline, parent.stderr.read()
+            time.sleep(0.05)
+        child = int(pidfile.read_text())
+        assert psutil.Process(child).ppid() == parent.pid
+        parent.send_signal(how)
+        parent.wait(timeout=30)
+        assert _gone(child), f"iree-compile (pid {child}) outlived its parent killed by {how!r}"
+    finally:
+        parent.kill()
+        parent.wait()
+        if child and not _gone(child, 0):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+    assert "Traceback" not in parent.stderr.read()
+    left = sorted(p.name for p in work.iterdir())
+    if how == signal.SIGKILL:
+        # Nothing runs in a SIGKILLed process: its temp is left for the next run to remove.
+        assert left == [f".m.vmfb.{parent.pid}.tmp.vmfb", "m.mlir"]
+        assert [p.name for p in remove_stale_temps(work)] == [left[0]]
+    else:
+        assert left == ["m.mlir"]
+
+
+@pytest.mark.parametrize(
+    "body,says",
+    [
+        (
+            '#!/bin/sh\nprintf partial > "$3"\nkill -KILL $$\n',
+            "iree-compile was killed by SIGKILL while compiling m.mlir (out of memory?",
+        ),
+        ("#!/bin/sh\nexit 3\n", "iree-compile failed for m.mlir (exit status 3) without any"),
+    ],
+    ids=["killed", "silent-failure"],
+)
+def test_compiler_death_is_reported_without_empty_log_or_temp(tmp_path, body, says):
+    src, vmfb, log = tmp_path / "m.mlir", tmp_path / "m.vmfb", tmp_path / "m.compile.log"
+    src.write_text(GOOD)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(iree_compile, "iree_compile_tool", lambda: _tool(tmp_path, body))
+        with pytest.raises(UserError) as info:
+            compile_mlir(src, vmfb, [], log)
+    assert says in str(info.value) and "\n" not in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fake-iree-compile", "m.mlir"]
+
+
+def test_missing_compiler_is_one_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(iree_compile, "iree_compile_tool", lambda: str(tmp_path / "nope"))
+    (tmp_path / "m.mlir").write_text(GOOD)
+    with pytest.raises(UserError, match="cannot run iree-compile .*sdiree\\[compile\\]"):
+        compile_mlir(tmp_path / "m.mlir", tmp_path / "m.vmfb", [], tmp_path / "m.log")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.mlir"]

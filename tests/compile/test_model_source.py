@@ -1,0 +1,112 @@
+"""compile/model_source: the configs resolve() reads come back checked, and model_index.json
+entries that are not components are tolerated. (Bad folders through the CLI:
+tests/compile/test_cli_errors.py.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from sdiree.compile.model_source import REQUIRED, check_config, open_model
+from sdiree.runtime.errors import UserError
+
+
+@pytest.fixture
+def model_copy(tiny_model, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model, copy)
+    return copy
+
+
+def test_configs_of_a_good_model_are_returned(tiny_model):
+    model = open_model(tiny_model)
+    configs = {c: model.config(c) for c in ("unet", "vae", "text_encoder", "scheduler")}
+    assert configs["unet"]["sample_size"] == 8
+    assert len(configs["vae"]["block_out_channels"]) == 4
+    assert configs["scheduler"]["num_train_timesteps"] == 1000
+
+
+@pytest.mark.parametrize(
+    "component,key,value,says",
+    [
+        ("vae", "block_out_channels", 5, "a non-empty list of positive integers"),
+        ("vae", "block_out_channels", [], "a non-empty list of positive integers"),
+        ("vae", "block_out_channels", [16, "32"], "a non-empty list of positive integers"),
+        ("vae", "scaling_factor", float("nan"), "a finite number"),
+        ("unet", "sample_size", "64", "a positive integer"),
+        ("unet", "sample_size", True, "a positive integer"),
+        ("unet", "sample_size", [64, 64], "a positive integer"),
+        ("unet", "in_channels", 0, "a positive integer"),
+        ("unet", "cross_attention_dim", None, "a positive integer"),
+        ("text_encoder", "hidden_size", 32.5, "a positive integer"),
+        ("text_encoder", "max_position_embeddings", -77, "a positive integer"),
+        ("scheduler", "num_train_timesteps", "1000", "a positive integer"),
+        ("scheduler", "beta_schedule", 1, "a string"),
+    ],
+)
+def test_mistyped_config_key(tiny_model, component, key, value, says):
+    good = open_model(tiny_model).config(component)
+    with pytest.raises(UserError) as info:
+        check_config({**good, key: value}, component, tiny_model / component / "config.json")
+    assert f"'{key}' is " in str(info.value) and f"must be {says}" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "component,key",
+    [("unet", "sample_size"), ("unet", "in_channels"), ("vae", "block_out_channels")]
+    + [("text_encoder", "hidden_size"), ("unet", "cross_attention_dim")],
+)
+def test_missing_config_key(model_copy, component, key):
+    path = model_copy / component / "config.json"
+    data = json.loads(path.read_text())
+    del data[key]
+    path.write_text(json.dumps(data))
+    with pytest.raises(UserError, match=f"config.json has no '{key}'"):
+        open_model(model_copy).config(component)
+
+
+def test_optional_keys_may_be_absent(model_copy):
+    """Older SD 1.x VAE configs have no scaling_factor; the manifest then uses SD's 0.18215."""
+    path = model_copy / "vae" / "config.json"
+    data = json.loads(path.read_text())
+    del data["scaling_factor"]
+    path.write_text(json.dumps(data))
+    assert "scaling_factor" not in open_model(model_copy).config("vae")
+
+
+def test_non_component_entries_are_tolerated(model_copy):
+    index_path = model_copy / "model_index.json"
+    index = json.loads(index_path.read_text())
+    before = open_model(model_copy).content_hash()
+    index.update(
+        force_zeros_for_empty_prompt=True, requires_safety_checker=False, image_processor="x"
+    )
+    index["feature_extractor"] = [None, None]
+    index_path.write_text(json.dumps(index))
+    model = open_model(model_copy)
+    assert sorted(model.components()) == sorted(REQUIRED)
+    assert model.content_hash() != before  # model_index.json changed; no crash hashing it
+
+
+@pytest.mark.parametrize(
+    "entry,says",
+    [
+        (["diffusers", "NoSuchModel"], "names class NoSuchModel, which diffusers does not have"),
+        (["diffusers", "logging"], "names class logging, which diffusers does not have"),
+        (["torch", "nn"], "comes from library 'torch'"),
+        (["diffusers"], "must be a [library, class] pair"),
+        ({"library": "diffusers"}, "must be a [library, class] pair"),
+        ([None, None], "lists no 'unet'"),
+    ],
+)
+def test_bad_unet_entry(model_copy, entry, says):
+    index_path = model_copy / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index["unet"] = entry
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(UserError) as info:
+        open_model(model_copy)
+    assert says in str(info.value)

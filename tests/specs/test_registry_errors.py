@@ -1,0 +1,172 @@
+"""A malformed --specs registry is one clear line naming the file and the field, never a
+traceback: truncated or non-object JSON, missing or mistyped fields, names of presets, dtypes or
+submodules that do not exist."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from sdiree.runtime.errors import UserError
+from sdiree.runtime.targets import default_specs_dir, load_registry
+
+
+def _edit(change):
+    """A mutation of the parsed targets.json: change(data) edits it in place, or returns the
+    value that replaces it."""
+
+    def mutate(path):
+        data = json.loads(path.read_text())
+        new = change(data)
+        path.write_text(json.dumps(data if new is None else new))
+
+    return mutate
+
+
+def _cpu(change):
+    return _edit(lambda d: change(d["targets"]["cpu"]) and None)
+
+
+def _truncate(path):
+    text = path.read_text()
+    path.write_text(text[: len(text) // 3])
+
+
+# (mutation of specs/targets.json, what the one-line error says)
+CASES = {
+    "truncated": (_truncate, "targets.json is not valid JSON"),
+    "binary": (lambda p: p.write_bytes(b"\xff\xfe\x00"), "targets.json is not valid JSON"),
+    "a-list": (_edit(lambda d: [d]), "targets.json holds a JSON list, not an object"),
+    "no-targets": (_edit(lambda d: d.pop("targets") and None), "has no 'targets'"),
+    "targets-a-list": (
+        _edit(lambda d: d.__setitem__("targets", [])),
+        "targets must be an object of objects",
+    ),
+    "target-a-string": (
+        _edit(lambda d: d["targets"].__setitem__("cpu", "llvm-cpu")),
+        "targets must be an object of objects",
+    ),
+    "no-driver": (_cpu(lambda t: t.pop("driver")), "targets.cpu has no 'driver'"),
+    "no-arches": (_cpu(lambda t: t.pop("arches")), "targets.cpu has no 'arches'"),
+    "flags-a-string": (
+        _cpu(lambda t: t.__setitem__("flags", "--iree-opt-level=O3")),
+        "targets.cpu.flags must be a list of strings",
+    ),
+    "arch-flags-a-number": (
+        _cpu(lambda t: t["arches"]["host"].__setitem__("flags", 3)),
+        "targets.cpu.arches.host.flags must be a list of strings, not 3",
+    ),
+    "misspelt-field": (
+        _cpu(lambda t: t.__setitem__("flag", [])),
+        "targets.cpu.flag is not a known field",
+    ),
+    "default-arch-missing": (
+        _cpu(lambda t: t.__setitem__("default_arch", "zen9")),
+        "targets.cpu.default_arch names arch preset 'zen9', which is not one of host",
+    ),
+    "default-dtype-not-offered": (
+        _cpu(lambda t: t.__setitem__("default_dtype", "int8")),
+        "targets.cpu.default_dtype names dtype 'int8'",
+    ),
+    "unknown-dtype": (
+        _cpu(lambda t: t.__setitem__("dtypes", ["fp32", "fp8"])),
+        "targets.cpu.dtypes names dtype 'fp8'",
+    ),
+    "dtype-option-of-missing-dtype": (
+        _cpu(lambda t: t.__setitem__("dtypes", ["fp32"])),
+        "targets.cpu.dtype_options names dtype 'bf16'",
+    ),
+    "dtype-option-without-export-dtype": (
+        _cpu(lambda t: t["dtype_options"]["bf16"].pop("export_dtype")),
+        "targets.cpu.dtype_options.bf16 has no 'export_dtype'",
+    ),
+    "misspelt-submodule": (
+        _cpu(lambda t: t["submodule_flags"].__setitem__("vae_decoer", [])),
+        "targets.cpu.submodule_flags names submodule 'vae_decoer'",
+    ),
+    "bad-device-regex": (
+        _edit(
+            lambda d: d["targets"]["vulkan-spirv"]["arches"]["rdna3"].__setitem__(
+                "device_match", ["RX (7"]
+            )
+        ),
+        "targets.vulkan-spirv.arches.rdna3.device_match holds 'RX (7', not a regex",
+    ),
+    "unknown-attention": (
+        _cpu(lambda t: t["export"].__setitem__("attention", "flash")),
+        "targets.cpu.export.attention is 'flash', not one of sdpa, decomposed, chunked",
+    ),
+    "unknown-conv-of-a-submodule": (
+        _cpu(lambda t: t["submodule_export"]["vae_decoder"].__setitem__("conv", "fft")),
+        "targets.cpu.submodule_export.vae_decoder.conv is 'fft'",
+    ),
+    "unet-only-choice-for-the-vae": (
+        _cpu(lambda t: t["submodule_export"]["vae_encoder"].__setitem__("winograd4_min_side", 8)),
+        "winograd4_min_side applies to the unet only",
+    ),
+    "winograd4-min-side-a-string": (
+        _cpu(lambda t: t["submodule_export"]["unet"].__setitem__("winograd4_min_side", "32")),
+        "winograd4_min_side must be a positive integer, not '32'",
+    ),
+    "encode-parameters-a-string": (
+        _cpu(lambda t: t.__setitem__("encode_parameters", "yes")),
+        "targets.cpu.encode_parameters must be true or false",
+    ),
+}
+
+
+@pytest.fixture
+def specs(tmp_path):
+    copy = tmp_path / "specs"
+    shutil.copytree(default_specs_dir(), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_malformed_registry_is_one_line(specs, case):
+    mutate, says = CASES[case]
+    mutate(specs / "targets.json")
+    with pytest.raises(UserError) as info:
+        load_registry(specs)
+    message = str(info.value)
+    assert says in message and "\n" not in message, message
+    assert str(specs / "targets.json") in message
+
+
+def test_comment_fields_are_allowed(specs):
+    _cpu(lambda t: t.__setitem__("_note", "tuning notes"))(specs / "targets.json")
+    assert "cpu" in load_registry(specs).targets
+
+
+def test_missing_specs_dir(tmp_path):
+    with pytest.raises(UserError, match="specs directory .* does not exist"):
+        load_registry(tmp_path / "nope")
+
+
+def test_compile_with_malformed_specs_is_one_line(specs, tmp_path):
+    _truncate(specs / "targets.json")
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdiree.runtime.cli", "compile", str(tmp_path), "--target", "cpu"]
+        + ["--specs", str(specs), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "not valid JSON" in lines[0]
+    assert not out.exists()
+
+
+def test_export_choices_match_the_exporters():
+    pytest.importorskip("torch")
+    from sdiree.compile.exporters.attention import ATTENTIONS
+    from sdiree.compile.exporters.conv_matmul import CONV_CHOICES
+    from sdiree.runtime.targets import EXPORT_CHOICES
+
+    assert EXPORT_CHOICES == {"attention": ATTENTIONS, "conv": CONV_CHOICES}
