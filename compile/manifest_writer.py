@@ -1,8 +1,12 @@
-"""Compose manifest.json (schema in sdiree.runtime.manifest) from a finished build."""
+"""Compose manifest.json (schema in sdiree.runtime.manifest) from a finished build.
+
+Every path it names is relative to the artifact directory and inside it: the artifact is
+self-contained. A submodule's `mlir` is the name of its exported MLIR in the compile cache
+(see compile/driver.py), recorded for reference only; the runtime never reads it.
+"""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from sdiree.runtime.fileutil import sha256_file
@@ -12,7 +16,8 @@ from .exporters import scope_for
 
 
 def _rel(path: Path, root: Path) -> str:
-    return os.path.relpath(path, root)
+    """path relative to root; a ValueError, not a `../` path, when it is outside."""
+    return Path(path).relative_to(root).as_posix()
 
 
 def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict) -> dict:
@@ -24,9 +29,7 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
     for sub, res in results.items():
         vmfb_rel = _rel(out / f"{sub}.vmfb", out)
         files[vmfb_rel] = res["vmfb_sha256"]
-        params, enc = res["params"], res.get("encoded")
-        if enc and not enc["needs_derived"]:
-            params = params[:1]  # the derived weights are all in the encoded archive
+        params, enc = res["params"], res.get("encoded")  # params: the archives it loads
         archives = [(_rel(path, out), sha, scope_for(sub)) for path, sha in params]
         if enc:
             archives.append((enc["path"], enc["sha256"], enc["scope"]))
@@ -37,7 +40,7 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
             "parameters": archives[0][0],
             "scope": archives[0][2],
             "extra_parameters": [{"path": rel, "scope": scope} for rel, _, scope in archives[1:]],
-            "mlir": _rel(res["mlir"], out),
+            "mlir": res["mlir"].name,
             "export": builder.export_options(sub),
             "functions": signatures[sub],
             "flags": res["flags"],

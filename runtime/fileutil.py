@@ -1,12 +1,15 @@
-"""File helpers shared by compile and run: atomic writes, hashing, stale temp cleanup.
+"""File helpers shared by compile and run: atomic writes, hardlinks, hashing, stale temps.
 
 Every file sdiree produces is written to a temporary name in the same directory and renamed
-into place, so a killed process never leaves a half-written file under a real name.
+into place, so a killed process never leaves a half-written file under a real name. A file's
+sha256 can be cached under its stamp (size, mtime, ctime, inode): ctime and inode change with
+any rewrite and, unlike mtime, cannot be set back (`touch -d`, os.utime).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -50,6 +53,49 @@ def atomic_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, tmp)
 
 
+def link_or_copy(src: Path, dst: Path) -> None:
+    """Put src's bytes at dst atomically: a hardlink (no disk) where both are on one filesystem
+    that allows it, else a copy. Nothing happens when dst already is src."""
+    with contextlib.suppress(OSError):
+        if os.path.samefile(src, dst):
+            return
+    with atomic_path(dst) as tmp:
+        tmp.unlink(missing_ok=True)  # left by an earlier process with this pid: link won't replace
+        try:
+            os.link(src, tmp)
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EACCES):
+                raise
+            shutil.copyfile(src, tmp)
+
+
+def file_stamp(path: Path) -> list[int]:
+    """[size, mtime_ns, ctime_ns, inode]: changes whenever the file's bytes may have."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def cached_sha256(path: Path, key: str, cache: dict) -> str:
+    """sha256 of path, taken from cache[key] while the file's stamp is the one recorded there;
+    otherwise hashed again and recorded."""
+    stamp = file_stamp(path)
+    hit = cache.get(key)
+    if isinstance(hit, list) and len(hit) == len(stamp) + 1 and hit[:-1] == stamp:
+        return hit[-1]
+    digest = sha256_file(path)
+    cache[key] = [*stamp, digest]
+    return digest
+
+
+def read_json_dict(path: Path) -> dict:
+    """The JSON object in path, or {} where it is missing, unreadable or not an object."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -62,6 +108,14 @@ def sha256_json(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
+def user_cache_dir() -> Path:
+    """sdiree's per-user cache: `$SDIREE_CACHE`, else `${XDG_CACHE_HOME:-~/.cache}/sdiree`."""
+    if os.environ.get("SDIREE_CACHE"):
+        return Path(os.environ["SDIREE_CACHE"]).expanduser().absolute()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser().absolute() / "sdiree"
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -72,14 +126,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temps(directory: Path) -> list[Path]:
-    """Delete temp files left by killed sdiree processes (their pid is gone) in directory."""
+def remove_stale_temps(directory: Path, include_own: bool = False) -> list[Path]:
+    """Delete temp files left by killed sdiree processes (their pid is gone) in directory; with
+    include_own also those named with this process's pid (a caller that is writing none: in a
+    container a new process often gets the pid of an old one)."""
     removed = []
     if not Path(directory).is_dir():
         return removed
     for p in Path(directory).iterdir():
         m = _TMP_RE.match(p.name)
-        if m and p.is_file() and not _pid_alive(int(m.group(1))):
-            p.unlink()
+        pid = int(m.group(1)) if m else 0
+        if m and p.is_file() and ((include_own and pid == os.getpid()) or not _pid_alive(pid)):
+            p.unlink(missing_ok=True)  # another process may be cleaning the same directory
             removed.append(p)
     return removed

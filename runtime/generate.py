@@ -1,35 +1,100 @@
 """`sdiree run`: check everything, generate, and save PNGs with their parameters.
 
-Every check that can fail on bad input (artifact, manifest, files, device, arch, sizes, steps,
-guidance, scheduler, output paths) runs before the first module call, so a bad invocation costs
-nothing and leaves nothing behind.
+Every check that can fail on bad input (seed, prompt text, artifact, manifest, files, device,
+arch, sizes, steps, guidance, scheduler, output paths) runs before the first module call, so a
+bad invocation costs nothing and leaves nothing behind.
+
+Seeds follow AUTOMATIC1111: image i of a run is made from its own generator seeded with
+``seed + i`` (diffusers with a list of generators; the images still run together in batches of
+the compiled batch) and its PNG records that seed, so any image is remade alone with ``--seed``
+(and image 0, or a one-image run, gets exactly the latents diffusers draws from that seed).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 from pathlib import Path
 
 from . import schedulers
 from .device_select import choose_device
+from .errors import UserError
 from .image_output import (
     a1111_parameters,
     check_image,
     check_output_paths,
     output_paths,
+    remove_stale_temps_for,
     save_png,
     to_uint8,
 )
-from .manifest import check_files, load_manifest
+from .manifest import HASH_CACHE, Manifest, check_files, load_manifest
 from .pipeline import GenerationRequest, Text2Image, resolve_request
 from .session import with_fresh_device_on_loss
 
-HASH_CACHE = ".verified.json"
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+RANDOM_SEED = -1  # as in A1111 and every SD tool
 
 
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def resolve_seed(seed: int | None, num_images: int) -> int:
+    """The run's first seed: random for None or -1; refuse what does not fit in 64 bits."""
+    if seed is None or seed == RANDOM_SEED:
+        return random.SystemRandom().randrange(2**32)
+    if not 0 <= seed <= MAX_SEED:
+        raise UserError(f"--seed {seed}: the seed must be in 0..2**64-1, or -1 for a random one")
+    if seed + max(num_images, 1) - 1 > MAX_SEED:
+        raise UserError(
+            f"--seed {seed} with --num-images {num_images}: image i uses seed {seed}+i, past "
+            f"2**64-1; choose a seed of at most {MAX_SEED - num_images + 1}"
+        )
+    return seed
+
+
+def check_text(option: str, text: str) -> None:
+    """Refuse text that is not valid UTF-8 (undecodable argv bytes arrive as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what = (
+            f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"character U+{code:04X}"
+        )
+        raise UserError(
+            f"{option} is not valid UTF-8 text ({what} at character {e.start}); pass it in "
+            "UTF-8 (check the encoding of the terminal or script that sent it)"
+        ) from None
+
+
+def model_hash(manifest: Manifest) -> str | None:
+    """The "Model hash" of the PNG parameters: 10 hex digits, or None when unknown.
+
+    A1111 writes the first 10 hex digits of the checkpoint file's sha256 ("AutoV2"). A diffusers
+    folder has no single checkpoint file, so this is the first 10 of the model's content hash
+    from the manifest (sha256 over every config and weight file of the folder): the same model
+    folder always gives the same hash, but it differs from the AutoV2 hash of a .safetensors
+    checkpoint holding the same weights.
+    """
+    digest = manifest.data.get("model", {}).get("content_hash") or manifest.data.get(
+        "build", {}
+    ).get("model_hash")
+    return digest[:10] if isinstance(digest, str) and digest else None
+
+
+def sampler_and_schedule(scheduler: str) -> tuple[str, str | None]:
+    """A1111's sampler name and "Schedule type" (since A1111 1.9: "DPM++ 2M" + "Karras").
+
+    Other schedulers leave the schedule type out, which A1111 reads as "Automatic", the
+    sampler's own schedule.
+    """
+    label = schedulers.SAMPLER_LABELS[scheduler]
+    if label.endswith(" Karras"):
+        return label.removesuffix(" Karras"), "Karras"
+    return label, None
 
 
 def generate_to_files(
@@ -49,9 +114,10 @@ def generate_to_files(
     overwrite: bool = False,
     force_device: bool = False,
 ) -> list[Path]:
+    check_text("--prompt", prompt)
+    check_text("--negative-prompt", negative_prompt)
+    seed = resolve_seed(seed, num_images)
     manifest = load_manifest(artifact_dir)
-    if seed is None:
-        seed = random.SystemRandom().randrange(2**32)
     req = resolve_request(
         manifest,
         GenerationRequest(
@@ -72,10 +138,13 @@ def generate_to_files(
     check_files(manifest, Path(artifact_dir) / HASH_CACHE)
 
     say(f"device: {info.label} ({info.name}); {why}")
+    seeds = [req.seed + i for i in range(req.num_images)]
+    shown = f"seed {req.seed}" if len(seeds) == 1 else f"seeds {seeds[0]}..{seeds[-1]}"
     say(
-        f"seed {req.seed}, {req.scheduler} {req.steps} steps, guidance {req.guidance_scale}, "
+        f"{shown}, {req.scheduler} {req.steps} steps, guidance {req.guidance_scale}, "
         f"{req.width}x{req.height}, {manifest.target}/{manifest.arch}/{manifest.dtype}"
     )
+    req = dataclasses.replace(req, per_image_seeds=True)
     result = with_fresh_device_on_loss(
         manifest,
         info,
@@ -85,21 +154,25 @@ def generate_to_files(
     )
     for w in result.warnings:
         say(f"warning: {w}")
-    check_image(result.images)
-    pixels = to_uint8(result.images)
-    params = a1111_parameters(
-        prompt=req.prompt,
-        negative_prompt=req.negative_prompt,
-        steps=req.steps,
-        sampler=schedulers.SAMPLER_LABELS[req.scheduler],
-        cfg_scale=req.guidance_scale,
-        seed=req.seed,
-        width=req.width,
-        height=req.height,
-        model=manifest.data["model"]["name"],
-        extra={"Target": manifest.target, "Arch": manifest.arch, "Dtype": manifest.dtype},
-    )
-    for path, image in zip(paths, pixels, strict=True):
+    images = result.images
+    check_image(images)
+    sampler, schedule = sampler_and_schedule(req.scheduler)
+    for path, image, s in zip(paths, to_uint8(images), seeds, strict=True):
+        params = a1111_parameters(
+            prompt=req.prompt,
+            negative_prompt=req.negative_prompt,
+            steps=req.steps,
+            sampler=sampler,
+            schedule_type=schedule,
+            cfg_scale=req.guidance_scale,
+            seed=s,
+            width=req.width,
+            height=req.height,
+            model_hash=model_hash(manifest),
+            model=manifest.data["model"]["name"],
+            extra={"Target": manifest.target, "Arch": manifest.arch, "Dtype": manifest.dtype},
+        )
+        remove_stale_temps_for(path)
         save_png(path, image, params, overwrite)
         say(f"wrote {path}")
     say(result.timings.summary())

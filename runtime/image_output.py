@@ -2,12 +2,15 @@
 
 The conversion reproduces diffusers' ``VaeImageProcessor.postprocess`` bit for bit, the checks
 turn a broken result (NaN, an all-black image) into a message instead of a useless file, and the
-PNGs carry an A1111-style "parameters" text chunk so image browsers show how they were made.
-Output paths are checked before any generation work starts, and every file is written atomically.
+PNGs carry the "parameters" text chunk AUTOMATIC1111 writes, so image browsers and A1111's PNG Info
+show how they were made. Output paths are checked before any generation work starts; every file
+is written to a temp name and published atomically, without ever replacing a file that appeared
+meanwhile unless overwriting was asked for.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -16,17 +19,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
-from PIL.PngImagePlugin import PngInfo
 
 from .errors import UserError
-from .fileutil import atomic_path
+from .fileutil import _pid_alive, temp_path_for
+from .png import encode_png
 
 __all__ = [
     "a1111_parameters",
     "check_image",
     "check_output_paths",
     "output_paths",
+    "remove_stale_temps_for",
     "save_png",
     "to_uint8",
 ]
@@ -111,23 +114,32 @@ def a1111_parameters(
     height: int,
     model: str,
     extra: Mapping[str, Any] | None = None,
+    *,
+    schedule_type: str | None = None,
+    model_hash: str | None = None,
+    rng: str | None = "CPU",
 ) -> str:
     """Generation parameters as AUTOMATIC1111 writes them into a PNG "parameters" chunk.
 
     Line 1 is the prompt, line 2 ``Negative prompt: ...`` (left out when empty), and the last
-    line ``Steps: 20, Sampler: Euler a, CFG scale: 7.5, Seed: 42, Size: 512x512, Model: name``
-    followed by ``extra`` in its order. Values with a comma, colon or newline are JSON-quoted
-    and ``None`` values are skipped, both as A1111 does; the whole text is stripped like A1111's.
-    Extra keys must match A1111's key pattern (a word character, then one or more word
-    characters, spaces, hyphens or slashes) and must not repeat a fixed key (ValueError).
+    line the key/value pairs in the order of A1111's ``create_infotext``: ``Steps, Sampler,
+    Schedule type, CFG scale, Seed, Size, Model hash, Model, RNG``, then ``extra`` in its order.
+    ``RNG: CPU`` says the noise is torch's CPU generator stream (A1111 assumes GPU noise when the
+    key is missing). Values with a comma, colon or newline are JSON-quoted and ``None`` values
+    are skipped, both as A1111 does; the whole text is stripped like A1111's. Extra keys must
+    match A1111's key pattern (a word character, then one or more word characters, spaces,
+    hyphens or slashes) and must not repeat a fixed key (ValueError).
     """
     params: dict[str, Any] = {
         "Steps": int(steps),
         "Sampler": sampler,
+        "Schedule type": schedule_type,
         "CFG scale": _number(cfg_scale),
         "Seed": int(seed),
         "Size": f"{int(width)}x{int(height)}",
+        "Model hash": model_hash,
         "Model": model,
+        "RNG": rng,
     }
     for key, value in (extra or {}).items():
         if not isinstance(key, str) or not _A1111_KEY_RE.fullmatch(key):
@@ -193,23 +205,75 @@ def _png_pixels(image: np.ndarray) -> np.ndarray:
     raise ValueError(f"save_png expects an HWC image with 1, 3 or 4 channels, got {image.shape}")
 
 
+def remove_stale_temps_for(path: Path) -> None:
+    """Delete temps of ``path`` left by killed sdiree runs (their pid is gone); others stay."""
+    path = Path(path)
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)\.tmp{re.escape(path.suffix)}")
+    if not path.parent.is_dir():
+        return
+    for p in path.parent.glob(f".{path.name}.*.tmp*"):
+        m = pattern.fullmatch(p.name)
+        if m and p.is_file() and not _pid_alive(int(m.group(1))):
+            p.unlink(missing_ok=True)
+
+
+def _write_png(path: Path, pixels: np.ndarray, parameters: str) -> None:
+    """Encode the pixels with the "parameters" chunk: tEXt if the text is latin-1, else iTXt."""
+    Path(path).write_bytes(encode_png(pixels, {"parameters": parameters}))
+
+
+def _publish(tmp: Path, path: Path, overwrite: bool) -> None:
+    """Move the finished temp file onto ``path``; without ``overwrite`` never replace a file.
+
+    ``os.link`` fails with FileExistsError if ``path`` exists, in the same step that creates it,
+    so two runs writing the same name cannot both succeed. Where hard links are not supported
+    (FAT, some network file systems) an exclusive create reserves the name instead.
+    """
+    if overwrite:
+        os.replace(tmp, path)
+        return
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            path.unlink(missing_ok=True)  # our own empty reservation
+            raise
+
+
 def save_png(path: Path, image_uint8_hwc: np.ndarray, parameters: str, overwrite: bool) -> None:
     """Write one HWC uint8 image as a PNG with a "parameters" text chunk, atomically.
 
     The chunk is tEXt when the text is latin-1 and iTXt (UTF-8) otherwise, as A1111 writes it;
     PIL readers see it as ``Image.open(p).info["parameters"]`` either way. An existing file is
-    refused (UserError) unless ``overwrite``.
+    refused (UserError) unless ``overwrite``, also one another process creates while this one
+    writes. A failed write (a full disk, a read-only file system) is a UserError too, and leaves
+    neither a temp file nor a change to ``path``.
     """
     path = Path(path)
     if path.exists() and not overwrite:
         raise UserError(f"{path} exists; pass --overwrite to replace it")
     pixels = _png_pixels(image_uint8_hwc)
-    info = PngInfo()
+    tmp = temp_path_for(path)
     try:
-        parameters.encode("latin-1")
-    except UnicodeEncodeError:
-        info.add_itxt("parameters", parameters)
-    else:
-        info.add_text("parameters", parameters)
-    with atomic_path(path) as tmp:
-        Image.fromarray(pixels).save(tmp, format="PNG", pnginfo=info)
+        _write_png(tmp, pixels, parameters)
+        _publish(tmp, path, overwrite)
+    except FileExistsError:
+        raise UserError(
+            f"{path} was created by another process while this one was writing it; it was left "
+            "as it is: pass --overwrite to replace it, or choose another -o"
+        ) from None
+    except OSError as e:
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise UserError(
+            f"cannot write {path}: {e.strerror or e}; "
+            + ("free some space or choose another -o" if full else "choose another -o")
+        ) from None
+    finally:
+        tmp.unlink(missing_ok=True)

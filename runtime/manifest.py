@@ -1,26 +1,36 @@
 """The manifest: the versioned contract between `sdiree compile` and `sdiree run`.
 
 compile writes `manifest.json` last, after every file it names is in place; run reads it here,
-refuses a schema it does not know, and checks every file against its sha256 before use.
-Paths in the manifest are relative to the artifact directory (shared parameter archives live in
-a sibling directory, hence `../params/...`).
+refuses a schema it does not know or a shape it cannot use, and checks every file against its
+sha256 before use. An artifact directory is self-contained: every path in the manifest is
+relative to it and stays inside it (no `..`, nothing absolute), so the directory can be copied
+or moved on its own. The sha256 checks are cached in `.verified.json` in the artifact, keyed by
+each file's size, mtime, ctime and inode; where the artifact is read-only the cache lives in the
+user cache (`$SDIREE_CACHE/.verified/`, see fileutil.user_cache_dir).
 """
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import json
+import os
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from .errors import UserError
-from .fileutil import sha256_file
+from .fileutil import (
+    atomic_write_json,
+    cached_sha256,
+    read_json_dict,
+    user_cache_dir,
+)
 
 # 2 added a submodule's `extra_parameters` ([{path, scope}]): archives loaded beside
 # `parameters` (weights derived at export, weights encoded at compile). Version 1 is still read.
 SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
+HASH_CACHE = ".verified.json"  # in the artifact: {path: [size, mtime, ctime, inode, sha256]}
 
 
 @dataclass(frozen=True)
@@ -86,15 +96,82 @@ class Manifest:
         return (self.root / relative).resolve()
 
 
-def parse_manifest(root: Path, data: dict) -> Manifest:
+# The keys the runtime reads, with the type each must have (a dict: its own required keys).
+_SHAPE = {
+    "model": {"name": str},
+    "target": {"name": str, "arch": str, "driver": str},
+    "dtype": str,
+    "image": {
+        "height": int,
+        "width": int,
+        "batch_size": int,
+        "latent_channels": int,
+        "latent_height": int,
+        "latent_width": int,
+    },
+    "scheduler": {"config": str},
+    "text_encoders": list,
+    "submodules": dict,
+    "files": dict,
+}
+
+
+_KIND = {dict: "an object", list: "a list", str: "a string", int: "an integer"}
+
+
+def _invalid(root: Path, what: str) -> UserError:
+    return UserError(
+        f"{MANIFEST_NAME} in {root} is not a valid sdiree manifest: {what}; recompile, or copy "
+        "the whole artifact directory"
+    )
+
+
+def _check_shape(root: Path, data, shape: dict, where: str = "") -> None:
+    for key, want in shape.items():
+        if key not in data:
+            raise _invalid(root, f"missing '{where}{key}'")
+        value = data[key]
+        expected = dict if isinstance(want, dict) else want
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise _invalid(root, f"'{where}{key}' is not {_KIND[expected]}")
+        if isinstance(want, dict):
+            _check_shape(root, value, want, f"{where}{key}.")
+
+
+def _check_inside(root: Path, rel) -> str:
+    """rel, if it is a relative path that stays inside the artifact directory."""
+    if not isinstance(rel, str) or not rel:
+        raise _invalid(root, f"{rel!r} is not a file path")
+    if (
+        PurePosixPath(rel).is_absolute()
+        or PureWindowsPath(rel).is_absolute()
+        or PureWindowsPath(rel).drive
+        or ".." in PurePosixPath(rel.replace("\\", "/")).parts
+    ):
+        raise UserError(
+            f"{MANIFEST_NAME} in {root} names {rel!r}, outside the artifact directory; an "
+            "artifact holds every file it needs (one compiled by an older sdiree does not): "
+            "recompile it with `sdiree compile`"
+        )
+    return rel
+
+
+def parse_manifest(root: Path, data) -> Manifest:
+    if not isinstance(data, dict):
+        raise _invalid(root, f"a JSON {type(data).__name__}, not an object")
     version = data.get("schema_version")
     if version not in READABLE_SCHEMA_VERSIONS:
         raise UserError(
             f"{root / MANIFEST_NAME} has schema version {version!r}; this sdiree reads versions "
             f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}: recompile the model with this sdiree"
         )
+    _check_shape(root, data, _SHAPE)
+    if not data["text_encoders"]:
+        raise _invalid(root, "'text_encoders' is empty")
     subs = {}
     try:
+        te = data["text_encoders"][0]
+        _check_inside(root, te["tokenizer"])
         for name, s in data["submodules"].items():
             fns = {
                 fname: FunctionDecl(
@@ -106,18 +183,24 @@ def parse_manifest(root: Path, data: dict) -> Manifest:
             }
             subs[name] = SubmoduleDecl(
                 name,
-                s["vmfb"],
-                s.get("parameters"),
+                _check_inside(root, s["vmfb"]),
+                s.get("parameters") and _check_inside(root, s["parameters"]),
                 s.get("scope"),
                 fns,
-                tuple((e["path"], e["scope"]) for e in s.get("extra_parameters", ())),
+                tuple(
+                    (_check_inside(root, e["path"]), e["scope"])
+                    for e in s.get("extra_parameters", ())
+                ),
             )
-        for key in ("target", "dtype", "image", "files"):
-            data[key]  # noqa: B018  (presence check)
-    except (KeyError, TypeError, AttributeError) as e:
-        raise UserError(
-            f"{root / MANIFEST_NAME} is malformed (missing {e}); recompile the model"
-        ) from None
+    except (KeyError, IndexError) as e:
+        raise _invalid(root, f"missing {e}") from None
+    except (TypeError, AttributeError, ValueError):
+        raise _invalid(root, "a submodule or text encoder entry has the wrong shape") from None
+    _check_inside(root, data["scheduler"]["config"])
+    for rel, digest in data["files"].items():
+        _check_inside(root, rel)
+        if not isinstance(digest, str):
+            raise _invalid(root, f"the sha256 of {rel} is not a string")
     return Manifest(root=root, data=data, submodules=subs)
 
 
@@ -133,38 +216,53 @@ def load_manifest(artifact_dir: Path) -> Manifest:
         )
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path} is not valid JSON ({e}); recompile the model") from None
     return parse_manifest(root, data)
+
+
+def user_hash_cache(root: Path) -> Path:
+    """Where the sha256 cache of a read-only artifact directory lives instead."""
+    key = hashlib.sha256(str(Path(root).resolve()).encode()).hexdigest()[:24]
+    return user_cache_dir() / ".verified" / f"{key}.json"
 
 
 def check_files(manifest: Manifest, cache_path: Path | None = None) -> None:
     """Check every file the manifest lists against its sha256.
 
-    The cache (size and mtime of files already verified) keeps repeated runs cheap; a file whose
-    size or mtime changed is hashed again.
+    With cache_path (in the artifact directory), a file whose stamp (size, mtime, ctime,
+    inode) is the one recorded there when it was last verified is not hashed again. Where that
+    directory cannot be written the cache is kept in the user cache instead.
     """
+    caches = [cache_path, user_hash_cache(manifest.root)] if cache_path else []
     cache = {}
-    if cache_path and cache_path.is_file():
-        try:
-            cache = json.loads(cache_path.read_text())
-        except (OSError, json.JSONDecodeError):
-            cache = {}
-    new_cache = {}
+    for c in reversed(caches):
+        cache.update(read_json_dict(c))
     for rel, digest in manifest.data["files"].items():
         p = manifest.path(rel)
         if not p.is_file():
-            raise UserError(f"{p} is listed in the manifest but missing; recompile the model")
-        st = p.stat()
-        stamp = [st.st_size, st.st_mtime_ns, digest]
-        if cache.get(str(p)) != stamp and sha256_file(p) != digest:
+            raise UserError(
+                f"artifact {manifest.root} is incomplete: {rel} is missing; copy or move the "
+                "whole artifact directory (it holds every file it needs)"
+            )
+        if cached_sha256(p, rel, cache) != digest:
             raise UserError(
                 f"{p} does not match its sha256 in the manifest (modified or corrupt); "
                 "recompile the model"
             )
-        new_cache[str(p)] = stamp
-    if cache_path:
-        from .fileutil import atomic_write_json
+    for c in caches:
+        if _save_cache(c, {rel: cache[rel] for rel in manifest.data["files"]}):
+            return
 
-        with contextlib.suppress(OSError):  # a read-only artifact dir just means no cache
-            atomic_write_json(cache_path, new_cache)
+
+def _save_cache(path: Path, cache: dict) -> bool:
+    if read_json_dict(path) == cache:
+        return True
+    if path.parent.exists() and not os.access(path.parent, os.W_OK):
+        return False
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, cache)
+    except OSError:  # a read-only or full filesystem just means no cache there
+        return False
+    return True

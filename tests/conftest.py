@@ -5,7 +5,9 @@ test session, so compile tests and runtime tests share them. When the compile te
 collected, the artifacts they will ask for are queued for a background `sdiree compile`
 process that works through them beside the tests, while a test that needs one not started yet
 compiles it itself: one compile keeps this 2-core machine ~1.1 cores busy (export is
-single-threaded), and these compiles are most of the suite's time.
+single-threaded), and these compiles are most of the suite's time. Their shared compile cache
+(exported MLIR, parameter archives) is a session folder named by $SDIREE_CACHE, never the
+user's own cache.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ def tiny_model(tmp_path_factory) -> Path:
     from make_tiny_sd import make_tiny_sd
 
     return make_tiny_sd(tmp_path_factory.mktemp("models") / "tiny-sd", seed=0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache(tmp_path_factory) -> Path:
+    """$SDIREE_CACHE for the session: where compiles with --out keep what artifacts share."""
+    cache = tmp_path_factory.mktemp("sdiree-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SDIREE_CACHE", str(cache))
+        yield cache
 
 
 @pytest.fixture(scope="session")

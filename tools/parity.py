@@ -38,8 +38,11 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float("inf") if mse == 0 else float(10 * np.log10(255.0**2 / mse))
 
 
-def diffusers_images(model_dir, scheduler, steps, guidance, seed, prompt, negative, n, size):
-    """uint8 NHWC images from diffusers on the CPU, fp32."""
+def diffusers_images(
+    model_dir, scheduler, steps, guidance, seed, prompt, negative, n, size, per_image_seeds=False
+):
+    """uint8 NHWC images from diffusers on the CPU, fp32: one CPU generator for all images, or
+    with per_image_seeds a list of them seeded seed + i."""
     import diffusers
     import torch
 
@@ -54,7 +57,11 @@ def diffusers_images(model_dir, scheduler, steps, guidance, seed, prompt, negati
         negative_prompt=negative or None,
         num_inference_steps=steps,
         guidance_scale=guidance,
-        generator=torch.Generator("cpu").manual_seed(seed),
+        generator=(
+            [torch.Generator("cpu").manual_seed(seed + i) for i in range(n)]
+            if per_image_seeds
+            else torch.Generator("cpu").manual_seed(seed)
+        ),
         num_images_per_prompt=n,
         height=size[0],
         width=size[1],
@@ -63,7 +70,18 @@ def diffusers_images(model_dir, scheduler, steps, guidance, seed, prompt, negati
     return (out * 255).round().astype(np.uint8)
 
 
-def sdiree_images(artifact_dir, scheduler, steps, guidance, seed, prompt, negative, n, device=None):
+def sdiree_images(
+    artifact_dir,
+    scheduler,
+    steps,
+    guidance,
+    seed,
+    prompt,
+    negative,
+    n,
+    device=None,
+    per_image_seeds=False,
+):
     from sdiree.runtime.device_select import choose_device
     from sdiree.runtime.image_output import to_uint8
     from sdiree.runtime.manifest import load_manifest
@@ -74,7 +92,9 @@ def sdiree_images(artifact_dir, scheduler, steps, guidance, seed, prompt, negati
     info, _ = choose_device(manifest, device)
     req = resolve_request(
         manifest,
-        GenerationRequest(prompt, negative, steps, guidance, scheduler, seed, n),
+        GenerationRequest(
+            prompt, negative, steps, guidance, scheduler, seed, n, per_image_seeds=per_image_seeds
+        ),
     )
     result = with_fresh_device_on_loss(
         manifest,

@@ -3,8 +3,12 @@ parameters text, output path planning and atomic PNG writes with a "parameters" 
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +22,7 @@ from sdiree.runtime.image_output import (
     check_image,
     check_output_paths,
     output_paths,
+    remove_stale_temps_for,
     save_png,
     to_uint8,
 )
@@ -171,7 +176,7 @@ def test_a1111_format_and_parse_back():
         "a cat, sitting: on a mat",
         "Negative prompt: blurry, low quality",
         "Steps: 20, Sampler: Euler a, CFG scale: 7.5, Seed: 42, Size: 512x768, Model: sd15, "
-        'Target: vulkan-spirv, Arch: rdna3, Note: "a, b: c"',
+        'RNG: CPU, Target: vulkan-spirv, Arch: rdna3, Note: "a, b: c"',
     ]
     prompt, negative, params = parse_a1111(text)
     assert prompt == "a cat, sitting: on a mat"
@@ -183,11 +188,12 @@ def test_a1111_format_and_parse_back():
         "Seed": "42",
         "Size": "512x768",
         "Model": "sd15",
+        "RNG": "CPU",
         "Target": "vulkan-spirv",
         "Arch": "rdna3",
         "Note": "a, b: c",
     }
-    assert list(params) == ["Steps", "Sampler", "CFG scale", "Seed", "Size", "Model"] + [
+    assert list(params) == ["Steps", "Sampler", "CFG scale", "Seed", "Size", "Model", "RNG"] + [
         "Target",
         "Arch",
         "Note",
@@ -197,8 +203,8 @@ def test_a1111_format_and_parse_back():
 def test_a1111_without_negative_prompt_and_number_formats():
     text = a1111_parameters("dog", "", 4, "LCM", np.float32(7.0), 2**40, 512, 512, "m", {})
     assert (
-        text
-        == "dog\nSteps: 4, Sampler: LCM, CFG scale: 7, Seed: 1099511627776, Size: 512x512, Model: m"
+        text == "dog\nSteps: 4, Sampler: LCM, CFG scale: 7, Seed: 1099511627776, Size: 512x512, "
+        "Model: m, RNG: CPU"
     )
     text = a1111_parameters("dog", "", 4, "LCM", np.float32(1.3), 1, 64, 64, "m", None)
     assert "CFG scale: 1.3," in text
@@ -225,10 +231,29 @@ def test_a1111_multiline_prompts_and_quoted_model():
     assert params["Model"] == "C:\\m" and params["VAE dtype"] == "fp16"
 
 
+def test_a1111_key_order_of_create_infotext():
+    # A1111 1.10 create_infotext: Steps, Sampler, Schedule type, CFG scale, Seed, Size,
+    # Model hash, Model, ..., RNG, then extra_generation_params.
+    text = a1111_parameters("p", "n", 20, "DPM++ 2M", 7, 2**64 - 1, 512, 512, "sd15",
+                            {"Target": "cpu"}, schedule_type="Karras",
+                            model_hash="0123456789")  # fmt: skip
+    assert text.split("\n")[-1] == (
+        "Steps: 20, Sampler: DPM++ 2M, Schedule type: Karras, CFG scale: 7, "
+        "Seed: 18446744073709551615, Size: 512x512, Model hash: 0123456789, Model: sd15, "
+        "RNG: CPU, Target: cpu"
+    )
+    params = parse_a1111(text)[2]
+    assert params["Model hash"] == "0123456789" and params["RNG"] == "CPU"
+    # RNG: None leaves the key out (A1111 then assumes GPU noise).
+    assert "RNG" not in a1111_parameters("p", "", 1, "Euler", 7, 1, 8, 8, "m", rng=None)
+
+
 def test_a1111_rejects_bad_extra_keys():
     args = ("p", "", 1, "Euler", 7.5, 1, 64, 64, "m")
     with pytest.raises(ValueError):
         a1111_parameters(*args, {"Seed": 3})
+    with pytest.raises(ValueError):
+        a1111_parameters(*args, {"RNG": "GPU"})
     with pytest.raises(ValueError):
         a1111_parameters(*args, {"bad:key": 3})
     with pytest.raises(ValueError):
@@ -348,15 +373,86 @@ def test_save_png_failing_write_leaves_old_file_and_no_temp(tmp_path, monkeypatc
     path = tmp_path / "cat.png"
     path.write_bytes(b"old")
 
-    def failing_save(self, fp, *args, **kwargs):
-        Path(fp).write_bytes(b"partial")
-        raise OSError("disk full")
+    def failing_write(tmp, *args):
+        Path(tmp).write_bytes(b"partial")
+        raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(image_output.Image.Image, "save", failing_save)
-    with pytest.raises(OSError, match="disk full"):
+    monkeypatch.setattr(image_output, "_write_png", failing_write)
+    with pytest.raises(UserError, match="cannot write .*cat.png: Input/output error; choose"):
         save_png(path, _pixels(), "p", overwrite=True)
     assert _files(tmp_path) == ["cat.png"]
     assert path.read_bytes() == b"old"
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_save_png_full_disk_is_one_line_and_leaves_no_temp(tmp_path, monkeypatch, overwrite):
+    def full_disk(tmp, *args):
+        Path(tmp).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(image_output, "_write_png", full_disk)
+    with pytest.raises(UserError) as e:
+        save_png(tmp_path / "cat.png", _pixels(), "p", overwrite=overwrite)
+    assert str(e.value).endswith("No space left on device; free some space or choose another -o")
+    assert "\n" not in str(e.value)
+    assert _files(tmp_path) == []
+
+
+def test_save_png_never_replaces_a_file_created_meanwhile(tmp_path, monkeypatch):
+    # Another run publishes the same name between our existence check and our rename.
+    path = tmp_path / "cat.png"
+    real_write = image_output._write_png
+
+    def racing_write(tmp, *args):
+        real_write(tmp, *args)
+        path.write_bytes(b"theirs")
+
+    monkeypatch.setattr(image_output, "_write_png", racing_write)
+    with pytest.raises(UserError, match="created by another process.*--overwrite") as e:
+        save_png(path, _pixels(), "p", overwrite=False)
+    assert "\n" not in str(e.value)
+    assert path.read_bytes() == b"theirs" and _files(tmp_path) == ["cat.png"]
+    save_png(path, _pixels(), "p", overwrite=True)  # asked for: replaced
+    with Image.open(path) as im:
+        assert im.info["parameters"] == "p"
+    assert _files(tmp_path) == ["cat.png"]
+
+
+def test_save_png_without_hard_links_still_refuses_existing(tmp_path, monkeypatch):
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(image_output.os, "link", no_links)
+    path = tmp_path / "cat.png"
+    save_png(path, _pixels(), "p", overwrite=False)
+    with Image.open(path) as im:
+        assert im.info["parameters"] == "p"
+    assert _files(tmp_path) == ["cat.png"]
+
+    real_write = image_output._write_png
+    other = tmp_path / "dog.png"
+
+    def racing_write(tmp, *args):
+        real_write(tmp, *args)
+        other.write_bytes(b"theirs")
+
+    monkeypatch.setattr(image_output, "_write_png", racing_write)
+    with pytest.raises(UserError, match="created by another process"):
+        save_png(other, _pixels(), "p", overwrite=False)
+    assert other.read_bytes() == b"theirs" and _files(tmp_path) == ["cat.png", "dog.png"]
+
+
+def test_remove_stale_temps_for_only_touches_dead_runs_of_that_name(tmp_path):
+    path = tmp_path / "cat.png"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".cat.png.{dead.pid}.tmp.png"
+    live = tmp_path / f".cat.png.{os.getpid()}.tmp.png"
+    other = tmp_path / f".dog.png.{dead.pid}.tmp.png"
+    for p in (stale, live, other):
+        p.write_bytes(b"x")
+    remove_stale_temps_for(path)
+    assert _files(tmp_path) == sorted([live.name, other.name])
 
 
 @pytest.mark.parametrize("shape", [(16, 24), (16, 24, 1), (16, 24, 4)])

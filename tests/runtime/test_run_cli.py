@@ -45,9 +45,16 @@ def test_run_writes_png_with_parameters(cpu_art, tmp_path):
     img = Image.open(out)
     assert img.size == (64, 64) and img.mode == "RGB"
     params = img.text["parameters"]
-    assert params.startswith("a lighthouse at dusk\n")
-    assert "Steps: 6, Sampler: DPM++ 2M Karras, CFG scale: 7.5, Seed: 42, Size: 64x64" in params
-    assert "Target: cpu" in params and "Arch: host" in params
+    manifest = json.loads((cpu_art / "manifest.json").read_text())
+    # A1111's infotext: its key order, the sampler and schedule type apart (A1111 >= 1.9), the
+    # model's content hash for "Model hash", and "RNG: CPU" (else A1111 assumes GPU noise).
+    assert params == (
+        "a lighthouse at dusk\nSteps: 6, Sampler: DPM++ 2M, Schedule type: Karras, "
+        "CFG scale: 7.5, Seed: 42, Size: 64x64, "
+        f"Model hash: {manifest['model']['content_hash'][:10]}, "
+        f"Model: {manifest['model']['name']}, "
+        "RNG: CPU, Target: cpu, Arch: host, Dtype: fp32"
+    )
     assert "s/step" in proc.stderr and "decode" in proc.stderr  # timing summary
     # never overwrites without --overwrite
     again = sdiree("run", cpu_art, "--prompt", "x", "--seed", 1, "-o", out, "--steps", 2)
@@ -59,19 +66,30 @@ def test_run_writes_png_with_parameters(cpu_art, tmp_path):
     )
 
 
-def test_random_seed_is_printed_and_stored(cpu_art, tmp_path):
-    proc = sdiree("run", cpu_art, "--prompt", "a", "--steps", 2, "-o", tmp_path / "r.png")
+@pytest.mark.parametrize("seed", [[], ["--seed", -1]], ids=["no-seed", "seed-minus-1"])
+def test_random_seed_is_printed_and_stored(cpu_art, tmp_path, seed):
+    proc = sdiree("run", cpu_art, "--prompt", "a", "--steps", 2, "-o", tmp_path / "r.png", *seed)
     assert proc.returncode == 0, proc.stderr
-    seed = proc.stderr.split("seed ", 1)[1].split(",")[0]
-    assert f"Seed: {seed}," in Image.open(tmp_path / "r.png").text["parameters"]
+    printed = proc.stderr.split("seed ", 1)[1].split(",")[0]
+    assert printed.isdigit() and 0 <= int(printed) < 2**32
+    assert f"Seed: {printed}," in Image.open(tmp_path / "r.png").text["parameters"]
 
 
-def test_several_images_are_numbered(cpu_art, tmp_path):
+def test_each_image_is_remade_alone_from_its_own_seed(cpu_art, tmp_path):
+    # A1111's batches: image i is made from seed + i with its own generator, and says so.
     proc = sdiree("run", cpu_art, "--prompt", "a", "--steps", 2, "--num-images", 2, "--seed", 5,
-                  "-o", tmp_path / "cat.png")  # fmt: skip
+                  "--scheduler", "euler-a", "-o", tmp_path / "cat.png")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    a, b = (np.asarray(Image.open(tmp_path / f"cat-{i}.png")) for i in (0, 1))
-    assert not np.array_equal(a, b)
+    a, b = (Image.open(tmp_path / f"cat-{i}.png") for i in (0, 1))
+    assert not np.array_equal(np.asarray(a), np.asarray(b))
+    assert "Seed: 5," in a.text["parameters"] and "Seed: 6," in b.text["parameters"]
+    assert a.text["parameters"].replace("Seed: 5,", "Seed: 6,") == b.text["parameters"]
+    for seed, image in ((6, b), (5, a)):
+        alone = tmp_path / f"alone-{seed}.png"
+        proc = sdiree("run", cpu_art, "--prompt", "a", "--steps", 2, "--seed", seed,
+                      "--scheduler", "euler-a", "-o", alone)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        np.testing.assert_array_equal(np.asarray(Image.open(alone)), np.asarray(image))
 
 
 def test_long_prompt_warns_how_many_tokens_dropped(cpu_art, tmp_path):

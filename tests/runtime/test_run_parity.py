@@ -49,6 +49,20 @@ def test_negative_prompt_guidance_one_and_several_images(compiled):
         assert psnr(ours, ref) >= 40.0, (guidance, negative, n)
 
 
+@pytest.mark.parametrize("per_image_seeds", [False, True], ids=["one-generator", "per-image"])
+@pytest.mark.parametrize("scheduler", ["euler-a", "lcm"])
+def test_several_images_with_step_noise_on_a_batch_1_artifact(compiled, scheduler, per_image_seeds):
+    """Two images on a batch-1 artifact, samplers that draw noise at every step: the same images
+    as diffusers with one generator (or one per image, as `sdiree run` seeds them)."""
+    art = compiled.get("cpu", "host", "fp32")
+    steps = 4 if scheduler == "lcm" else 10
+    args = (scheduler, steps, 7.5, 1234, PROMPT, "", 2)
+    ours, _ = sdiree_images(art, *args, per_image_seeds=per_image_seeds)
+    ref = diffusers_images(compiled.model, *args, SIZE, per_image_seeds=per_image_seeds)
+    for i in range(2):
+        assert psnr(ours[i], ref[i]) >= 40.0, i
+
+
 def test_threshold_catches_real_mistakes(compiled):
     art = compiled.get("cpu", "host", "fp32")
     ref = diffusers_images(compiled.model, "euler", 20, 7.5, 42, PROMPT, "", 1, SIZE)

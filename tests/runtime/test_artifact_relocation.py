@@ -1,0 +1,131 @@
+"""An artifact directory is self-contained: copied elsewhere on its own, with the compile cache
+gone, it makes the same image; `compile --out DIR` writes nothing outside DIR but the compile
+cache; the shared archives cost no disk (hardlinks) where they can."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from sdiree.runtime import fileutil
+from sdiree.runtime.fileutil import link_or_copy
+
+
+def test_link_or_copy_links_where_it_can(tmp_path):
+    src = tmp_path / "a.irpa"
+    src.write_bytes(b"weights")
+    link_or_copy(src, tmp_path / "b.irpa")
+    assert (tmp_path / "b.irpa").stat().st_ino == src.stat().st_ino
+    link_or_copy(src, tmp_path / "b.irpa")  # already there: nothing to do
+    assert src.stat().st_nlink == 2
+
+
+def test_link_or_copy_copies_across_filesystems(tmp_path, monkeypatch):
+    def cross_device(a, b):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(fileutil.os, "link", cross_device)
+    src = tmp_path / "a.irpa"
+    src.write_bytes(b"weights")
+    (tmp_path / "b.irpa").write_bytes(b"old")
+    link_or_copy(src, tmp_path / "b.irpa")
+    assert (tmp_path / "b.irpa").read_bytes() == b"weights"
+    assert (tmp_path / "b.irpa").stat().st_ino != src.stat().st_ino
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.irpa", "b.irpa"]
+
+
+def test_stamp_changes_when_bytes_do_though_size_and_mtime_do_not(tmp_path):
+    p = tmp_path / "f"
+    p.write_bytes(b"0123456789")
+    cache: dict = {}
+    first = fileutil.cached_sha256(p, "f", cache)
+    st = p.stat()
+    p.write_bytes(b"0123456780")
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert fileutil.cached_sha256(p, "f", cache) != first
+
+
+def files_under(root: Path) -> dict[str, tuple[int, int]]:
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in root.rglob("*")
+        if p.is_file()
+    }
+
+
+def sdiree(*args, env, cwd):
+    return subprocess.run(
+        [sys.executable, "-m", "sdiree.runtime.cli", *map(str, args)],
+        capture_output=True, text=True, timeout=900, env=env, cwd=cwd,
+    )  # fmt: skip
+
+
+def make_image(art: Path, png: Path, env, cwd) -> np.ndarray:
+    proc = sdiree("run", art, "--prompt", "a red cube", "--steps", 2, "--seed", 7, "-o", png,
+                  env=env, cwd=cwd)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return np.asarray(Image.open(png))
+
+
+@pytest.mark.slow
+def test_copied_artifact_runs_without_the_original_or_the_cache(compiled, compile_cache, tmp_path):
+    # The default cache (no $SDIREE_CACHE), under a private HOME; seeded with the session's
+    # exports so that only the modules compile again.
+    compiled.get("cpu", "host", "fp32")
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    cache = home / ".cache" / "sdiree"
+    shutil.copytree(compile_cache / "tiny-sd", cache / "tiny-sd")
+    cwd.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("SDIREE_CACHE", "XDG_CACHE_HOME")}
+    env["HOME"] = str(home)
+    model_before = files_under(compiled.model)
+    home_before = files_under(home)
+
+    a = tmp_path / "first" / "A"
+    proc = sdiree("compile", compiled.model, "--target", "cpu", "--arch", "host",
+                  "--dtype", "fp32", "--out", a, env=env, cwd=cwd)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+    # nothing written outside --out but the documented cache
+    assert list(a.parent.iterdir()) == [a]
+    assert list(cwd.iterdir()) == []
+    assert files_under(compiled.model) == model_before
+    home_after = files_under(home)
+    written = {f for f, v in home_after.items() if home_before.get(f) != v}
+    assert all(f.startswith(".cache/sdiree/tiny-sd/") for f in written), sorted(written)
+
+    # every path in the manifest is inside the artifact; the shared archives are hardlinks
+    manifest = json.loads((a / "manifest.json").read_text())
+    for rel in manifest["files"]:
+        assert not Path(rel).is_absolute() and ".." not in Path(rel).parts
+        assert (a / rel).resolve().is_relative_to(a)
+    params = next((cache / "tiny-sd" / "params").glob("*-fp32"))
+    linked = [rel for rel in manifest["files"] if (params / rel).is_file()]
+    assert "unet.irpa" in linked
+    for rel in linked:
+        assert (a / rel).stat().st_ino == (params / rel).stat().st_ino
+
+    image_a = make_image(a, tmp_path / "a.png", env, cwd)
+    b = tmp_path / "elsewhere" / "B"
+    shutil.copytree(a, b)
+    shutil.rmtree(a)
+    shutil.rmtree(cache)
+    image_b = make_image(b, tmp_path / "b.png", env, cwd)
+    np.testing.assert_array_equal(image_a, image_b)
+
+    # an incomplete copy names what is missing and says to copy the whole directory
+    (b / "unet.irpa").unlink()
+    proc = sdiree("run", b, "--prompt", "a", "-o", tmp_path / "c.png", env=env, cwd=cwd)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and "unet.irpa" in line and "incomplete" in line, line
+    assert "copy" in line and "recompile" not in line
