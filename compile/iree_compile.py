@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from sdiree.runtime.cli import INSTALL_HINT
 from sdiree.runtime.errors import UserError
 from sdiree.runtime.fileutil import atomic_path, atomic_write_bytes
 
@@ -87,8 +88,7 @@ def _run(cmd: list[str]) -> tuple[int, str]:
             )
         except OSError as e:
             raise UserError(
-                f"cannot run iree-compile ({e}); reinstall the compile extra: "
-                "pip install 'sdiree[compile]'"
+                f"cannot run iree-compile ({e}); reinstall the compile extra: {INSTALL_HINT}"
             ) from None
         try:
             out, err = proc.communicate()

@@ -14,6 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from sdiree.runtime.cli import INSTALL_HINT
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         from sdiree.compile.bench import DEFAULT_PROMPT, BenchOptions, run_bench
     except ImportError as e:
         print(
-            f"error: tools/bench.py needs the compile extra: pip install 'sdiree[compile]' ({e})",
+            f"error: tools/bench.py needs the compile extra: {INSTALL_HINT} ({e})",
             file=sys.stderr,
         )
         return 2
