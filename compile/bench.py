@@ -44,6 +44,11 @@ Method:
   cuda and rocm → torch's cuda device; vulkan-spirv → cpu, as torch has no Vulkan backend,
   unless ``torch_device`` names cuda: what a user of an NVIDIA GPU would otherwise run);
   ``torch_compile`` wraps the UNet with ``torch.compile`` (its compile lands in the first run).
+- Peers (``peers``, optional: the ``peers`` extra): OpenVINO and ONNX Runtime on the CPU, each
+  one more side in its own worker, alternated with the two above on the same inputs (the image
+  figure: sdiree's numpy pipeline with the peer's models); their models are exported once per
+  model and shape (``compile/peers/``). Each gets the same timing, memory and parity (against
+  torch) as sdiree, and its time over sdiree's.
 """
 
 from __future__ import annotations
@@ -110,6 +115,7 @@ class BenchOptions:
     guidance_scale: float = 7.5
     seed: int = 42
     specs_dir: Path | None = None
+    peers: str | None = None  # e.g. "openvino,onnxruntime" (compile/peers/__init__.py)
 
 
 # -- memory -----------------------------------------------------------------------------------
@@ -376,13 +382,21 @@ def _die_with_parent() -> None:
         pass
 
 
+def _side_class(side: str):
+    if side in SIDES:
+        return SdireeSide if side == "sdiree" else TorchSide
+    from .peers import side_class
+
+    return side_class(side)
+
+
 def worker_main(side: str, spec_path: Path) -> int:
     """Serve one side: JSON requests on stdin, one JSON reply a line on the original stdout."""
     _die_with_parent()
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything else printed (by us or a library, Python or C) goes to the log
     spec = json.loads(Path(spec_path).read_text())
-    cls = SdireeSide if side == "sdiree" else TorchSide
+    cls = _side_class(side)
     runner = None
     for line in sys.stdin:
         msg = json.loads(line)
@@ -547,8 +561,8 @@ def _finite(v):
     return v
 
 
-def parity(figure: str, names: list[str], ours: Path, theirs: Path) -> dict:
-    """max |sdiree - torch| on the same inputs, per output (8-bit levels and PSNR for images)."""
+def parity(figure: str, names: list[str], ours: Path, theirs: Path, side: str = "sdiree") -> dict:
+    """max |side - torch| on the same inputs, per output (8-bit levels and PSNR for images)."""
     from .verify import compare
 
     a = np.load(ours)
@@ -573,7 +587,7 @@ def parity(figure: str, names: list[str], ours: Path, theirs: Path) -> dict:
                 "rel": max_abs / scale,
                 "psnr_db": psnr,
                 "non_finite": [
-                    side for side, v in (("sdiree", x), ("torch", y)) if not np.isfinite(v).all()
+                    who for who, v in ((side, x), ("torch", y)) if not np.isfinite(v).all()
                 ],
             }
     # NaN (a non-finite output) ranks worst.
@@ -592,17 +606,19 @@ def _environment() -> dict:
 
     versions = {}
     for n in ("sdiree", "torch", "diffusers", "transformers", "iree-base-runtime",
-              "iree-base-compiler", "iree-turbine"):  # fmt: skip
+              "iree-base-compiler", "iree-turbine", "openvino", "onnxruntime", "onnx"):  # fmt: skip
         try:
             versions[n] = version(n)
         except PackageNotFoundError:
             versions[n] = None
     cpu = platform.processor() or platform.machine()
+    flags = None
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags"):  # what lscpu shows as Flags
+                flags = line.split(":", 1)[1].split()
     except OSError:
         pass
     return {
@@ -611,6 +627,8 @@ def _environment() -> dict:
         "platform": platform.platform(),
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
+        "cpu_flags": flags,
+        "avx512_bf16": None if flags is None else "avx512_bf16" in flags,
     }
 
 
@@ -637,8 +655,64 @@ def _validate(opts: BenchOptions) -> None:
     torch_devices = sorted(set(TORCH_DEVICE.values()))
     if opts.torch_device not in (None, *torch_devices):
         raise UserError(f"--torch-device {opts.torch_device}: choose {' or '.join(torch_devices)}")
-    if opts.json_path is not None and Path(opts.json_path).is_dir():
-        raise UserError(f"--json {opts.json_path} is a directory; name a file")
+    if opts.json_path is not None:
+        _check_json_path(Path(opts.json_path))
+    _peer_names(opts)
+
+
+def _peer_names(opts: BenchOptions) -> list[str]:
+    """The peers asked for, checked to be known and installed (one line saying how if not)."""
+    if not opts.peers:
+        return []
+    from .peers import check_installed, parse_peers
+
+    text = opts.peers if isinstance(opts.peers, str) else ",".join(opts.peers)
+    names = parse_peers(text)
+    check_installed(names)
+    return names
+
+
+def _check_json_path(path: Path) -> None:
+    """Refuse a --json path that cannot be written, before minutes of compiling and timing.
+
+    The report is written to a temp file beside it and renamed, so what matters is that its
+    directory (or the nearest existing one above it, where the rest will be created) takes a
+    new file: tried by creating and removing one, which also catches read-only file systems.
+    """
+    from sdiree.runtime.errors import UserError
+
+    if path.is_dir():
+        raise UserError(f"--json {path} is a directory; name a file")
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"--json {path}: {existing} is not a directory; choose another path")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".sdiree-bench-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(
+            f"--json {path}: cannot write in {existing} ({e.strerror or e}); choose another path"
+        ) from None
+
+
+def _side_stats(rs: list[dict]) -> dict:
+    """One side's figure: time stats over the timed runs, peak RSS (and device peak)."""
+    timed = [r["seconds"] for r in rs if not r["warmup"]]
+    entry = {
+        **_stats(timed),
+        "times_s": timed,
+        "warmup_s": [r["seconds"] for r in rs if r["warmup"]],
+        "peak_rss_first_mb": rs[0]["peak_rss_mb"],
+        "peak_rss_later_mb": rs[-1]["peak_rss_mb"] if len(rs) > 1 else None,
+        "peak_rss_mb": [r["peak_rss_mb"] for r in rs],
+    }
+    if "device_peak_mb" in rs[-1]:
+        entry["device_peak_first_mb"] = rs[0]["device_peak_mb"]
+        entry["device_peak_later_mb"] = rs[-1]["device_peak_mb"] if len(rs) > 1 else None
+    return entry
 
 
 def _figure_labels(manifest, steps: int, scheduler: str) -> dict:
@@ -654,6 +728,7 @@ def _figure_labels(manifest, steps: int, scheduler: str) -> dict:
 def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
     """Compile (or reuse), time both sides, write the JSON, print the markdown; returns the report."""
     from sdiree.runtime import schedulers
+    from sdiree.runtime.fileutil import atomic_write_bytes
     from sdiree.runtime.manifest import load_manifest
     from sdiree.runtime.pipeline import scheduler_config
 
@@ -665,6 +740,8 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
     out = out or sys.stdout
     log = log or sys.stderr
     _validate(opts)
+    peers = _peer_names(opts)
+    sides = (*SIDES, *peers)
     quiet_libraries()
     load_start = _loadavg()
     reporter = Reporter(stream=log)
@@ -720,6 +797,14 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
         "width": img["width"],
         "latent_shape": [1, img["latent_channels"], img["latent_height"], img["latent_width"]],
     }
+    if peers:
+        from .peers import needs_openvino
+        from .peers.export import ensure_models
+
+        formats = ["onnx", "openvino"] if needs_openvino(peers) else ["onnx"]
+        spec["peer_models"] = str(
+            ensure_models(manifest, Path(opts.model_dir), work / "inputs.npz", formats, work, log)
+        )
     (work / "spec.json").write_text(json.dumps(spec, indent=2))
     output_names = {
         "text_encoder": [
@@ -737,12 +822,12 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
 
     total = opts.warmup + opts.runs
     workers: dict[str, Worker] = {}
-    runs: dict[str, dict[str, list[dict]]] = {f: {s: [] for s in SIDES} for f in FIGURES}
+    runs: dict[str, dict[str, list[dict]]] = {f: {s: [] for s in sides} for f in FIGURES}
     try:
-        for side in SIDES:
+        for side in sides:
             workers[side] = Worker(side, work / "spec.json", work / f"{side}.log")
         loads = {}
-        for side in SIDES:
+        for side in sides:
             say(f"[bench load {side}] ...")
             loads[side] = workers[side].ask(op="import")
             loads[side].update(workers[side].ask(op="load"))
@@ -750,7 +835,7 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
         for figure in RUN_ORDER:
             for i in range(total):
                 line = []
-                for side in SIDES:
+                for side in sides:
                     save = str(work / f"{side}-{figure}.npz") if i == total - 1 else None
                     r = workers[side].ask(op="run", figure=figure, save=save)
                     r["warmup"] = i < opts.warmup
@@ -772,21 +857,7 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
     for figure in FIGURES:
         entry = {"label": labels[figure]}
         for side in SIDES:
-            rs = runs[figure][side]
-            timed = [r["seconds"] for r in rs if not r["warmup"]]
-            entry[side] = {
-                **_stats(timed),
-                "times_s": timed,
-                "warmup_s": [r["seconds"] for r in rs if r["warmup"]],
-                "peak_rss_first_mb": rs[0]["peak_rss_mb"],
-                "peak_rss_later_mb": rs[-1]["peak_rss_mb"] if len(rs) > 1 else None,
-                "peak_rss_mb": [r["peak_rss_mb"] for r in rs],
-            }
-            if "device_peak_mb" in rs[-1]:
-                entry[side]["device_peak_first_mb"] = rs[0]["device_peak_mb"]
-                entry[side]["device_peak_later_mb"] = (
-                    rs[-1]["device_peak_mb"] if len(rs) > 1 else None
-                )
+            entry[side] = _side_stats(runs[figure][side])
         entry["ratio"] = entry["sdiree"]["median_s"] / entry["torch"]["median_s"]
         entry["parity"] = parity(
             figure,
@@ -794,6 +865,20 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
             work / f"sdiree-{figure}.npz",
             work / f"torch-{figure}.npz",
         )
+        if peers:
+            entry["peers"] = {}
+        for peer in peers:
+            e = _side_stats(runs[figure][peer])
+            e["vs_sdiree"] = e["median_s"] / entry["sdiree"]["median_s"]
+            e["vs_torch"] = e["median_s"] / entry["torch"]["median_s"]
+            e["parity"] = parity(
+                figure,
+                output_names[figure],
+                work / f"{peer}-{figure}.npz",
+                work / f"torch-{figure}.npz",
+                side=peer,
+            )
+            entry["peers"][peer] = e
         figures[figure] = entry
     shutil.rmtree(work, ignore_errors=True)
 
@@ -820,6 +905,7 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
             "torch_compile": opts.torch_compile,
             "torch_device": spec["torch_device"],
             "torch_dtype": torch_dtype,
+            "peers": peers,
             "specs_dir": str(opts.specs_dir) if opts.specs_dir else None,
             "unet_flags": manifest.data["submodules"]["unet"].get("flags"),
             "unet_tuning_specs": manifest.data["submodules"]["unet"].get("tuning_specs"),
@@ -832,17 +918,36 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
             "memory_method": loads["sdiree"]["memory_method"],
             "parity": "last run's outputs of both sides on the same inputs",
             "ratio": "sdiree median / torch median (< 1: sdiree faster)",
+            **(
+                {
+                    "peers": "one more worker each, alternated after torch; models exported from "
+                    "the same diffusers modules (fp32, ONNX opset 17; OpenVINO IR from that "
+                    "ONNX); parity against torch; vs_sdiree: peer median / sdiree median",
+                    "peer_models": spec["peer_models"],
+                }
+                if peers
+                else {}
+            ),
         },
         "compile": compiled,
         "sides": {side: loads[side] for side in SIDES},
+        "peers": {peer: loads[peer] for peer in peers},
         "figures": figures,
     }
     report = _finite(report)
     json_path = Path(opts.json_path) if opts.json_path else art / "bench.json"
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    text = json.dumps(report, indent=2, allow_nan=False) + "\n"
     report["json_path"] = str(json_path)
-    print(markdown(report), file=out, flush=True)
+    print(markdown(report), file=out, flush=True)  # first: a failed write below loses nothing
+    try:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(json_path, text.encode())
+    except OSError as e:
+        from sdiree.runtime.errors import UserError
+
+        raise UserError(
+            f"cannot write {json_path} ({e.strerror or e}); the results are in the table above"
+        ) from None
     say(f"wrote {json_path}")
     return report
 
@@ -866,6 +971,32 @@ def _parity_cell(figure: str, p: dict) -> str:
     if w.get("non_finite") or w["max_abs"] is None:
         return f"non-finite output ({', '.join(w.get('non_finite') or ['?'])})"
     return f"{w['max_abs']:.3g} (rel {w['rel']:.2g})"
+
+
+def _peer_rows(report: dict) -> list[str]:
+    """The peers' table: one row per figure and peer, beside sdiree's time on that figure."""
+    peers = report.get("peers") or {}
+    if not peers:
+        return []
+    lines = [
+        "",
+        "| figure | engine | precision | s, median (min–max) | vs sdiree | vs torch "
+        "| peak RSS MB, first / later | parity vs torch |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for figure in FIGURES:
+        f = report["figures"][figure]
+        for peer, info in peers.items():
+            e = f["peers"][peer]
+            engine = f"{peer} {info.get('version') or ''}".strip()
+            lines.append(
+                f"| {f['label']} | {engine} | {info.get('precision', '?')} "
+                f"| {_secs(e['median_s'])} ({_secs(e['min_s'])}–{_secs(e['max_s'])}) "
+                f"| {e['vs_sdiree']:.2f} | {e['vs_torch']:.2f} "
+                f"| {_mb(e['peak_rss_first_mb'])} / {_mb(e['peak_rss_later_mb'])} "
+                f"| {_parity_cell(figure, e['parity'])} |"
+            )
+    return lines
 
 
 def markdown(report: dict) -> str:
@@ -895,6 +1026,7 @@ def markdown(report: dict) -> str:
             cells.append(f"{_mb(s['peak_rss_first_mb'])} / {_mb(s['peak_rss_later_mb'])}")
         cells.append(_parity_cell(figure, f["parity"]))
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _peer_rows(report)
     figs = [report["figures"][f] for f in FIGURES]
     if any("device_peak_first_mb" in f[side] for f in figs for side in SIDES):
         lines += [
@@ -916,8 +1048,7 @@ def markdown(report: dict) -> str:
         "| RSS after load MB |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for side in SIDES:
-        s = report["sides"][side]
+    for side, s in [*report["sides"].items(), *report.get("peers", {}).items()]:
         lines.append(
             f"| {side} | {s['import_s']:.2f} | {s['seconds']:.2f} | {_mb(s['rss_after_imports_mb'])} "
             f"| {_mb(s['peak_rss_load_mb'])} | {_mb(s['rss_after_load_mb'])} |"

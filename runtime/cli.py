@@ -160,6 +160,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
         prompt=a.prompt or default_prompt,
         seed=a.seed,
         specs_dir=a.specs,
+        peers=a.peers,
     )
     _call_compile_side("bench", run_bench, options)
 
@@ -298,6 +299,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--specs", type=Path, metavar="DIR", help="another specs directory (tuning work)"
+    )
+    p.add_argument(
+        "--peers",
+        metavar="LIST",
+        help="also time these CPU engines, comma-separated: openvino (= openvino-f32 and "
+        "openvino-default), openvino-f32, openvino-default, onnxruntime (needs the peers extra: "
+        "pip install 'sdiree[peers]')",
     )
     p.set_defaults(func=cmd_bench)
     return parser

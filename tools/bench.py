@@ -37,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt", "-p", default=None, help="prompt of the whole-image figure")
     ap.add_argument("--seed", type=int, default=42, help="seed of the inputs and of the image")
     ap.add_argument("--specs", type=Path, default=None, help="another specs directory")
+    ap.add_argument("--peers", default=None, help="openvino,onnxruntime,... (the peers extra)")
     return ap.parse_args(argv)
 
 
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 prompt=a.prompt or DEFAULT_PROMPT,
                 seed=a.seed,
                 specs_dir=a.specs,
+                peers=a.peers,
             )
         )
     except UserError as e:

@@ -12,6 +12,7 @@ import math
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -182,6 +183,24 @@ def test_cli_bench_bad_option_is_one_line(args, says):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0]
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "unwritable-dir"])
+def test_cli_bench_unwritable_json_is_refused_before_any_work(tmp_path, where):
+    # "nowhere" is not a model: the --json check must come first, before compiling or timing.
+    if where == "under-a-file":
+        (tmp_path / "file").write_text("")
+        path, says = tmp_path / "file" / "sub" / "bench.json", "is not a directory"
+    else:
+        sysfs = Path("/sys")
+        if not sysfs.is_dir():
+            pytest.skip("needs Linux sysfs, where not even root may create a file")
+        path, says = sysfs / "bench.json", "cannot write in /sys"
+    proc = sdiree("bench", tmp_path / "nowhere", "--target", "cpu", "--json", path)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: --json {path}") and says in lines[0]
+    assert not path.exists() and sorted(p.name for p in tmp_path.iterdir()) <= ["file"]
 
 
 def test_parity_names_the_side_with_a_non_finite_output(tmp_path):

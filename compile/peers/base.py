@@ -1,0 +1,93 @@
+"""What every peer side shares: the bench's figures on an engine's three models.
+
+A peer side is a bench Side (``imports``, ``__init__(spec)``, ``figures``, ``info``,
+``after_run``) whose engine runs the exported text encoder, guided UNet and VAE decoder. It also
+serves as the Session of sdiree's own numpy pipeline (``call(submodule, function, *args)``), so
+its whole-image figure is sdiree's Text2Image (tokenizer, scheduler, guidance) with the engine's
+models: the same steps as sdiree's image, only the three models differ. Like sdiree's side,
+every call takes numpy inputs and returns numpy outputs on the host.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .export import CALLS, FUNCTION, SUBMODULES
+
+
+class PeerSide:
+    ENGINE = ""  # distribution name, for its version
+    FORMAT = ""  # the models' folder: "onnx" or "openvino"
+
+    def __init__(self, spec: dict):
+        from sdiree.runtime.image_output import to_uint8
+        from sdiree.runtime.manifest import load_manifest
+        from sdiree.runtime.pipeline import GenerationRequest, Text2Image, resolve_request
+
+        folder = Path(spec["peer_models"]) / self.FORMAT
+        self.models = {sub: self.load(folder, sub) for sub in SUBMODULES}
+        manifest = load_manifest(Path(spec["artifact_dir"]))
+        t2i = Text2Image(manifest, self)
+        req = resolve_request(
+            manifest,
+            GenerationRequest(
+                prompt=spec["prompt"],
+                negative_prompt=spec["negative_prompt"],
+                steps=spec["steps"],
+                guidance_scale=spec["guidance_scale"],
+                scheduler=spec["scheduler"],
+                seed=spec["seed"],
+            ),
+        )
+        x = dict(np.load(spec["inputs"]))
+        self.figures = {
+            "text_encoder": self._figure(x, "text_encoder"),
+            "unet": self._figure(x, "unet"),
+            "vae_decode": self._figure(x, "vae_decoder"),
+            "image": lambda: [to_uint8(t2i.generate(req, progress=None).images)],
+        }
+        self.info = {
+            "engine": self.ENGINE,
+            "version": self.version(),
+            "format": self.FORMAT,
+            "models": str(folder),
+            **self.engine_info(),
+        }
+
+    def _figure(self, x: dict, sub: str):
+        args = [x[name] for name in CALLS[(sub, FUNCTION[sub])]]
+        return lambda: self.call(sub, FUNCTION[sub], *args)
+
+    def call(self, submodule: str, function: str, *args: np.ndarray) -> list[np.ndarray]:
+        """sdiree's Session.call contract: host arrays in, host arrays out (float32 here)."""
+        if FUNCTION.get(submodule) != function:
+            raise ValueError(
+                f"the peers' models have no {submodule}.{function}: they time guided calls only "
+                f"(guidance scale above 1)"
+            )
+        args = [a.astype(np.float32) if a.dtype.kind == "f" else a for a in args]
+        return self.run(self.models[submodule], args)
+
+    def after_run(self) -> dict:
+        return {}
+
+    def version(self) -> str | None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version(self.ENGINE)
+        except PackageNotFoundError:
+            return None
+
+    # -- per engine --
+
+    def load(self, folder: Path, submodule: str):
+        raise NotImplementedError
+
+    def run(self, model, args: list[np.ndarray]) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def engine_info(self) -> dict:
+        return {}

@@ -1,0 +1,253 @@
+"""The peers' models: the model's diffusers modules exported to ONNX, and that ONNX to OpenVINO IR.
+
+The same entry modules sdiree exports and the bench's torch side calls (TextEncoderEntry, the
+guided UNetEntry, VaeDecodeEntry with the scaling factor), in fp32 with SDPA attention, traced
+at the artifact's static shapes by torch's TorchScript ONNX exporter at opset 17
+(``dynamo=False``: the torch.export one needs onnxscript, which the extra does not bring). Each
+ONNX file keeps its weights in one external data file beside it (``<name>.onnx.data``), as a
+UNet's are over protobuf's 2 GB. OpenVINO's IR is converted from that ONNX, weights kept in f32
+(``compress_to_fp16=False``), so both peers run one graph.
+
+Cached in the user's sdiree cache, ``$SDIREE_CACHE/peers/<model hash>-<H>x<W>-b<B>-<shapes
+digest>-r<revision>/``, one folder per format (``onnx/``, ``openvino/``), each built under a
+temporary name and renamed into place whole: a killed export leaves only its temporary folder,
+removed by the next bench once its process is gone. The export runs in its own process
+(``python -m sdiree.compile.peers.export SPEC``), so the bench parent never holds the model.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REVISION = 1  # bump when the exported graphs change: a new cache folder
+OPSET = 17
+SUBMODULES = ("text_encoder", "unet", "vae_decoder")
+# (submodule, function) -> the bench's input arrays, in call order
+CALLS = {
+    ("text_encoder", "encode"): ("text_encoder.input_ids",),
+    ("unet", "denoise_cfg"): ("unet.sample", "unet.timestep", "unet.encoder_hidden_states"),
+    ("vae_decoder", "decode"): ("vae_decode.latents",),
+}
+FUNCTION = {sub: fn for sub, fn in CALLS}
+OUTPUTS = {"text_encoder": 2, "unet": 1, "vae_decoder": 1}  # last hidden state, pooled; ...
+FORMATS = {"onnx": (".onnx",), "openvino": (".xml", ".bin")}
+_TMP_DIR = re.compile(r"^\.(\w+)\.(\d+)\.tmp$")
+
+
+def input_names(submodule: str) -> list[str]:
+    return [a.split(".", 1)[1] for a in CALLS[(submodule, FUNCTION[submodule])]]
+
+
+def models_dir(manifest) -> Path:
+    """Where the peers' models of this artifact's model and shapes are cached: the user's
+    sdiree cache (`$SDIREE_CACHE/peers/`), never beside the artifact, which compile keeps
+    self-contained and writes nothing around."""
+    from sdiree.runtime.fileutil import sha256_json, user_cache_dir
+
+    img = manifest.image
+    shapes = {
+        f"{sub}.{fn}": [list(t.shape) for t in manifest.submodules[sub].functions[fn].inputs]
+        for sub, fn in CALLS
+    }
+    key = sha256_json(shapes)[:8]
+    model_hash = manifest.data["model"]["content_hash"][:16]
+    name = f"{model_hash}-{img['height']}x{img['width']}-b{img['batch_size']}-{key}-r{REVISION}"
+    return user_cache_dir() / "peers" / name
+
+
+def complete(folder: Path, fmt: str) -> bool:
+    return all(
+        (folder / fmt / f"{sub}{suffix}").is_file() for sub in SUBMODULES for suffix in FORMATS[fmt]
+    )
+
+
+def ensure_models(
+    manifest, model_dir: Path, inputs: Path, formats: list[str], work: Path, log=None
+) -> Path:
+    """The cached models folder with every format in formats, exported first where missing."""
+    from sdiree.runtime.errors import UserError
+
+    folder = models_dir(manifest)
+    remove_stale_dirs(folder)
+    missing = [f for f in formats if not complete(folder, f)]
+    if not missing:
+        return folder
+    if log:
+        print(
+            f"[bench peers] exporting {', '.join(missing)} models to {folder} ...",
+            file=log,
+            flush=True,
+        )
+    spec = {
+        "model_dir": str(model_dir),
+        "inputs": str(inputs),
+        "dir": str(folder),
+        "formats": missing,
+    }
+    spec_path = work / "peers-export.json"
+    spec_path.write_text(json.dumps(spec))
+    log_path = work / "peers-export.log"
+    with open(log_path, "w") as f:
+        proc = subprocess.run(
+            [sys.executable, "-m", "sdiree.compile.peers.export", str(spec_path)],
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
+    if proc.returncode != 0 or any(not complete(folder, f) for f in missing):
+        lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        tail = lines[-1].strip() if lines else "no output"
+        raise UserError(
+            f"exporting the peers' models failed (exit {proc.returncode}): {tail} (log: {log_path})"
+        )
+    return folder
+
+
+# -- the export process ---------------------------------------------------------------------------
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_dirs(folder: Path) -> None:
+    """Temporary folders of exports whose process is gone (killed mid-export)."""
+    if not folder.is_dir():
+        return
+    for p in folder.iterdir():
+        m = _TMP_DIR.match(p.name)
+        if m and p.is_dir() and (int(m.group(2)) == os.getpid() or not _pid_alive(int(m.group(2)))):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename a finished temporary folder into place (another export may have won the race)."""
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _entry(src, sub: str):
+    """The fp32 entry module of a submodule, attention as the bench's torch side sets it."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    from ..exporters.text_encoder import TextEncoderEntry
+    from ..exporters.unet import UNetEntry
+    from ..exporters.vae import VaeDecodeEntry
+
+    if sub == "text_encoder":
+        m = src.load("text_encoder").float().eval()
+        m.set_attn_implementation("sdpa")
+        return TextEncoderEntry(m)
+    if sub == "unet":
+        m = src.load("unet").float().eval()
+        m.set_attn_processor(AttnProcessor2_0())
+        return UNetEntry(m)
+    m = src.load("vae").float().eval()
+    m.set_attn_processor(AttnProcessor2_0())
+    return VaeDecodeEntry(m, m.config.scaling_factor)
+
+
+def export_onnx(model_dir: Path, inputs: dict, out: Path) -> None:
+    import onnx
+    import torch
+
+    from ..model_source import open_model
+
+    src = open_model(model_dir)
+    raw = out / "raw"
+    for sub in SUBMODULES:
+        entry = _entry(src, sub)
+        args = []
+        for name in CALLS[(sub, FUNCTION[sub])]:
+            a = inputs[name]
+            args.append(torch.from_numpy(a.astype(np.float32) if a.dtype.kind == "f" else a))
+        raw.mkdir(parents=True, exist_ok=True)
+        torch.onnx.export(
+            entry,
+            tuple(args),
+            str(raw / f"{sub}.onnx"),
+            dynamo=False,
+            opset_version=OPSET,
+            input_names=input_names(sub),
+            output_names=[f"output_{i}" for i in range(OUTPUTS[sub])],
+            do_constant_folding=True,
+        )
+        del entry  # freed before the ONNX weights are loaded: one copy at a time
+        gc.collect()
+        # One layout whatever the size: the graph, and its weights in one file beside it.
+        model = onnx.load(str(raw / f"{sub}.onnx"), load_external_data=True)
+        onnx.save_model(
+            model,
+            str(out / f"{sub}.onnx"),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=f"{sub}.onnx.data",
+            size_threshold=1024,
+        )
+        del model
+        shutil.rmtree(raw)
+        print(f"exported {sub}.onnx", flush=True)
+
+
+def convert_openvino(onnx_dir: Path, out: Path) -> None:
+    import openvino as ov
+
+    out.mkdir(parents=True, exist_ok=True)
+    for sub in SUBMODULES:
+        model = ov.convert_model(str(onnx_dir / f"{sub}.onnx"))
+        ov.save_model(model, str(out / f"{sub}.xml"), compress_to_fp16=False)
+        del model
+        print(f"converted {sub}.xml", flush=True)
+
+
+def main(spec_path: Path) -> int:
+    from ..bench import _die_with_parent
+    from ..quiet import quiet_libraries
+
+    _die_with_parent()
+    quiet_libraries()
+    spec = json.loads(Path(spec_path).read_text())
+    folder = Path(spec["dir"])
+    folder.mkdir(parents=True, exist_ok=True)
+    remove_stale_dirs(folder)
+    inputs = dict(np.load(spec["inputs"]))
+    for fmt in ("onnx", "openvino"):  # OpenVINO's IR is converted from the ONNX
+        if fmt not in spec["formats"] and not (fmt == "onnx" and "openvino" in spec["formats"]):
+            continue
+        if complete(folder, fmt):
+            continue
+        tmp = folder / f".{fmt}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            if fmt == "onnx":
+                tmp.mkdir()
+                export_onnx(Path(spec["model_dir"]), inputs, tmp)
+            else:
+                convert_openvino(folder / "onnx", tmp)
+            _publish(tmp, folder / fmt)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(Path(sys.argv[1])))
