@@ -186,6 +186,23 @@ class PeakRSS:
 # -- the two sides, each in its own worker process ----------------------------------------------
 
 
+def image_request(manifest, spec: dict):
+    """The whole-image figure's request, the same for every side that runs sdiree's pipeline."""
+    from sdiree.runtime.pipeline import GenerationRequest, resolve_request
+
+    return resolve_request(
+        manifest,
+        GenerationRequest(
+            prompt=spec["prompt"],
+            negative_prompt=spec["negative_prompt"],
+            steps=spec["steps"],
+            guidance_scale=spec["guidance_scale"],
+            scheduler=spec["scheduler"],
+            seed=spec["seed"],
+        ),
+    )
+
+
 class SdireeSide:
     """sdiree's runtime: Session calls and Text2Image, torch-free."""
 
@@ -200,24 +217,14 @@ class SdireeSide:
         from sdiree.runtime.device_select import choose_device
         from sdiree.runtime.image_output import to_uint8
         from sdiree.runtime.manifest import load_manifest
-        from sdiree.runtime.pipeline import GenerationRequest, Text2Image, resolve_request
+        from sdiree.runtime.pipeline import Text2Image
         from sdiree.runtime.session import Session
 
         manifest = load_manifest(Path(spec["artifact_dir"]))
         info, _ = choose_device(manifest, spec["device"])
         self.session = Session(manifest, info, Text2Image.SUBMODULES)
         t2i = Text2Image(manifest, self.session)
-        req = resolve_request(
-            manifest,
-            GenerationRequest(
-                prompt=spec["prompt"],
-                negative_prompt=spec["negative_prompt"],
-                steps=spec["steps"],
-                guidance_scale=spec["guidance_scale"],
-                scheduler=spec["scheduler"],
-                seed=spec["seed"],
-            ),
-        )
+        req = image_request(manifest, spec)
         x = dict(np.load(spec["inputs"]))
         call = self.session.call
         self.figures = {

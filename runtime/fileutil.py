@@ -116,7 +116,8 @@ def user_cache_dir() -> Path:
     return Path(base).expanduser().absolute() / "sdiree"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -136,7 +137,7 @@ def remove_stale_temps(directory: Path, include_own: bool = False) -> list[Path]
     for p in Path(directory).iterdir():
         m = _TMP_RE.match(p.name)
         pid = int(m.group(1)) if m else 0
-        if m and p.is_file() and ((include_own and pid == os.getpid()) or not _pid_alive(pid)):
+        if m and p.is_file() and ((include_own and pid == os.getpid()) or not pid_alive(pid)):
             p.unlink(missing_ok=True)  # another process may be cleaning the same directory
             removed.append(p)
     return removed

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .errors import UserError
-from .fileutil import _pid_alive, temp_path_for
+from .fileutil import pid_alive, temp_path_for
 from .png import encode_png
 
 __all__ = [
@@ -213,7 +213,7 @@ def remove_stale_temps_for(path: Path) -> None:
         return
     for p in path.parent.glob(f".{path.name}.*.tmp*"):
         m = pattern.fullmatch(p.name)
-        if m and p.is_file() and not _pid_alive(int(m.group(1))):
+        if m and p.is_file() and not pid_alive(int(m.group(1))):
             p.unlink(missing_ok=True)
 
 

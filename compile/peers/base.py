@@ -22,25 +22,16 @@ class PeerSide:
     FORMAT = ""  # the models' folder: "onnx" or "openvino"
 
     def __init__(self, spec: dict):
+        from sdiree.compile.bench import image_request
         from sdiree.runtime.image_output import to_uint8
         from sdiree.runtime.manifest import load_manifest
-        from sdiree.runtime.pipeline import GenerationRequest, Text2Image, resolve_request
+        from sdiree.runtime.pipeline import Text2Image
 
         folder = Path(spec["peer_models"]) / self.FORMAT
         self.models = {sub: self.load(folder, sub) for sub in SUBMODULES}
         manifest = load_manifest(Path(spec["artifact_dir"]))
         t2i = Text2Image(manifest, self)
-        req = resolve_request(
-            manifest,
-            GenerationRequest(
-                prompt=spec["prompt"],
-                negative_prompt=spec["negative_prompt"],
-                steps=spec["steps"],
-                guidance_scale=spec["guidance_scale"],
-                scheduler=spec["scheduler"],
-                seed=spec["seed"],
-            ),
-        )
+        req = image_request(manifest, spec)
         x = dict(np.load(spec["inputs"]))
         self.figures = {
             "text_encoder": self._figure(x, "text_encoder"),

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from sdiree.runtime.fileutil import pid_alive
+
 REVISION = 1  # bump when the exported graphs change: a new cache folder
 OPSET = 17
 SUBMODULES = ("text_encoder", "unet", "vae_decoder")
@@ -115,23 +117,13 @@ def ensure_models(
 # -- the export process ---------------------------------------------------------------------------
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_dirs(folder: Path) -> None:
     """Temporary folders of exports whose process is gone (killed mid-export)."""
     if not folder.is_dir():
         return
     for p in folder.iterdir():
         m = _TMP_DIR.match(p.name)
-        if m and p.is_dir() and (int(m.group(2)) == os.getpid() or not _pid_alive(int(m.group(2)))):
+        if m and p.is_dir() and (int(m.group(2)) == os.getpid() or not pid_alive(int(m.group(2)))):
             shutil.rmtree(p, ignore_errors=True)
 
 
