@@ -1,6 +1,6 @@
 """`sdiree compile`: model folder → per-submodule MLIR, parameter archives, vmfbs, manifest.
 
-Stages: load (model folder, configs, content hash), export (one MLIR per submodule, shared by
+Stages: load (model folder and its family, configs, content hash), export (one MLIR per submodule, shared by
 every target with the same export choices), parameters (one archive per scope and dtype, shared
 by every target/arch/shape), compile (one vmfb per submodule), then the archives the runtime
 loads are linked into the artifact, the runtime's tokenizer and scheduler files copied, and the
@@ -106,6 +106,11 @@ class Plan:
     explicit_out: bool = True  # --out given: the cache is the user's, not out's parent
 
     @property
+    def family(self):
+        """The model's family (sdiree.runtime.families.Family)."""
+        return self.model.family
+
+    @property
     def export_dtype(self) -> str:
         """The dtype the model is exported and its parameters saved in (shared across dtypes
         that only compile differently, such as cpu bf16 over fp32)."""
@@ -125,8 +130,15 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
     """Check every input and fix every choice; raises UserError, writes nothing."""
     registry = load_registry(opts.specs_dir)
     target = registry.target(opts.target)
-    model = open_model(opts.model_dir)
+    model = open_model(opts.model_dir)  # its family detected, or refused, here
+    family = model.family
     configs = {c: model.config(c) for c in ("unet", "vae", "text_encoder", "scheduler")}
+    prediction = configs["scheduler"].get("prediction_type", "epsilon")
+    if prediction not in family.prediction_types:
+        raise UserError(
+            f"{model.path}/scheduler/scheduler_config.json: prediction_type {prediction!r} is "
+            f"not one an {family.label} model uses ({', '.join(family.prediction_types)})"
+        )
 
     arch = opts.arch or target.default_arch
     if arch == "auto":
@@ -150,9 +162,13 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
     default_hw = configs["unet"]["sample_size"] * vae_factor
     height = default_hw if opts.height is None else opts.height
     width = default_hw if opts.width is None else opts.width
+    step = family.size_multiple
     for label, v in (("height", height), ("width", width)):
-        if v <= 0 or v % 8:
-            raise UserError(f"--{label} {v} is not a positive multiple of 8; use e.g. {default_hw}")
+        if v <= 0 or v % step:
+            raise UserError(
+                f"--{label} {v} is not a positive multiple of {step}, which {family.label} "
+                f"models need; use e.g. {default_hw}"
+            )
         if v > MAX_SIDE:
             raise UserError(
                 f"--{label} {v} is larger than sdiree compiles ({MAX_SIDE} at most); "
@@ -170,9 +186,10 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
     _check_not_in_model(out, model.path)
     _check_writable(out)
     _check_writable(shared, f"the compile cache {shared}", f"set {CACHE_ENV} to a writable folder")
-    unknown = set(opts.submodules) - set(SUBMODULES)
+    known = tuple(family.submodules)
+    unknown = set(opts.submodules) - set(known)
     if unknown:
-        raise UserError(f"unknown submodule(s) {sorted(unknown)}: choose from {SUBMODULES}")
+        raise UserError(f"unknown submodule(s) {sorted(unknown)}: choose from {known}")
     return Plan(
         model=model,
         registry=registry,

@@ -20,6 +20,18 @@ def _rel(path: Path, root: Path) -> str:
     return Path(path).relative_to(root).as_posix()
 
 
+def _text_encoder_entry(plan, recipe: dict) -> dict:
+    """One text encoder of the family's recipe (specs/families.json), with its config's sizes."""
+    cfg = plan.configs[recipe["submodule"]]
+    return {
+        "submodule": recipe["submodule"],
+        "max_length": cfg.get("max_position_embeddings", 77),
+        "hidden_size": cfg["hidden_size"],
+        "tokenizer": recipe["tokenizer"],
+        "pooled": recipe["pooled"],
+    }
+
+
 def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict) -> dict:
     plan = builder.plan
     out = plan.out
@@ -49,7 +61,7 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
     for rel_name, path in runtime_files.items():
         files[rel_name] = sha256_file(path)
 
-    te_cfg = plan.configs["text_encoder"]
+    family = plan.family
     vae_cfg = plan.configs["vae"]
     return {
         "schema_version": SCHEMA_VERSION,
@@ -59,7 +71,8 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
         "model": {
             "name": plan.model.name,
             "source": str(plan.model.path.resolve()),
-            "family": "sd1",
+            "family": family.name,
+            "pipeline": family.pipeline,
             "pipeline_class": plan.model.index.get("_class_name"),
             "content_hash": builder.model_hash,
         },
@@ -86,15 +99,7 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
             "applied_by": "module",
             "note": "vae_decoder divides latents by the factor; vae_encoder multiplies the mean",
         },
-        "text_encoders": [
-            {
-                "submodule": "text_encoder",
-                "max_length": te_cfg.get("max_position_embeddings", 77),
-                "hidden_size": te_cfg["hidden_size"],
-                "tokenizer": "tokenizer",
-                "pooled": "pooled_output",
-            }
-        ],
+        "text_encoders": [_text_encoder_entry(plan, te) for te in family.text_encoders],
         "scheduler": {
             "config": "scheduler/scheduler_config.json",
             "class": plan.model.index.get("scheduler", [None, None])[1],

@@ -1,8 +1,12 @@
-"""A diffusers model folder on disk: validation, its configs, a content hash, and loading.
+"""A diffusers model folder on disk: its family, validation, its configs, a content hash, and
+loading.
 
 Nothing is downloaded: the folder is read exactly as diffusers' from_pretrained reads a model
 it fetched earlier. Everything the compiler reads from the folder is checked here, before any
 file is written, so a damaged or foreign folder is one clear error rather than a traceback.
+The family (specs/families.json) is read first, from model_index.json and the configs that
+tell families apart: a family sdiree does not compile, or a mix of them, is refused before
+the folder's files are checked against what that family needs.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sdiree.runtime.errors import UserError
+from sdiree.runtime.families import Family, load_families
 from sdiree.runtime.fileutil import atomic_write_json
 
 # Submodule folders an SD 1.x pipeline needs, and the model_index.json key of each.
@@ -121,6 +126,7 @@ def _is_pair(entry) -> bool:
 class ModelSource:
     path: Path
     index: dict
+    family: Family | None = None
 
     @property
     def name(self) -> str:
@@ -198,7 +204,10 @@ def open_model(path: Path) -> ModelSource:
             "that holds model_index.json, unet/, vae/, text_encoder/, tokenizer/, scheduler/"
         )
     index = read_json_object(index_path, "a pipeline's model_index.json")
-    for comp in REQUIRED:
+    families = load_families()
+    family = families.detect(index, _configs_for_detection(path, families), str(path))
+    required = required_components(family)
+    for comp in required:
         entry = index.get(comp)
         if not entry or (isinstance(entry, list) and entry[0] is None):
             raise UserError(f"{path}: model_index.json lists no '{comp}'; an SD model needs one")
@@ -221,9 +230,38 @@ def open_model(path: Path) -> ModelSource:
                 f"({' and '.join(TOKENIZER_NEEDS)})"
             )
     read_json_object(path / "tokenizer" / "vocab.json", "a tokenizer vocabulary")
-    for comp in REQUIRED:
+    for comp in required:
         _check_class(index_path, comp, *index[comp])
-    return ModelSource(path=path, index=index)
+    for comp, classes in family.classes.items():
+        if index[comp][1] not in classes:
+            raise UserError(
+                f"{index_path}: '{comp}' is a {index[comp][1]}, but an {family.label} model has "
+                f"a {' or '.join(classes)} there; is this the right folder?"
+            )
+    return ModelSource(path=path, index=index, family=family)
+
+
+def required_components(family: Family) -> tuple[str, ...]:
+    """The folders a family's pipeline needs: its submodules' components, tokenizers and the
+    scheduler (SD 1.x: REQUIRED)."""
+    comps = [s["component"] for s in family.submodules.values()]
+    comps += [te["tokenizer"] for te in family.text_encoders] + ["scheduler"]
+    order = {c: i for i, c in enumerate(REQUIRED)}
+    return tuple(sorted(dict.fromkeys(comps), key=lambda c: order.get(c, len(order))))
+
+
+def _configs_for_detection(path: Path, families) -> dict:
+    """{component: its config.json, or None where absent or unreadable} for the components
+    families are recognised by: detection decides on what it can read, and the config checks
+    report the rest afterwards."""
+    configs = {}
+    for comp in dict.fromkeys(c for f in families.families.values() for c in f.recognise):
+        try:
+            data = json.loads((path / comp / "config.json").read_bytes())
+        except (OSError, ValueError):
+            data = None
+        configs[comp] = data if isinstance(data, dict) else None
+    return configs
 
 
 def _check_class(index_path: Path, component: str, library: str, cls_name: str) -> None:

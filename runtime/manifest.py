@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from .errors import UserError
+from .families import DEFAULT_FAMILY
 from .fileutil import (
     atomic_write_json,
     cached_sha256,
@@ -30,6 +31,7 @@ from .fileutil import (
 SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
+DEFAULT_PIPELINE = "text2img"  # of manifests from before families were recorded
 HASH_CACHE = ".verified.json"  # in the artifact: {path: [size, mtime, ctime, inode, sha256]}
 
 
@@ -89,6 +91,17 @@ class Manifest:
         return self.data["dtype"]
 
     @property
+    def family(self) -> str:
+        """The model family (specs/families.json); artifacts from before it was recorded are
+        all SD 1.x."""
+        return self.data.get("model", {}).get("family") or DEFAULT_FAMILY
+
+    @property
+    def pipeline(self) -> str:
+        """The pipeline that runs the artifact (runtime/families.PIPELINES)."""
+        return self.data.get("model", {}).get("pipeline") or DEFAULT_PIPELINE
+
+    @property
     def image(self) -> dict:
         return self.data["image"]
 
@@ -98,7 +111,7 @@ class Manifest:
 
 # The keys the runtime reads, with the type each must have (a dict: its own required keys).
 _SHAPE = {
-    "model": {"name": str},
+    "model": {"name": str},  # "family", "pipeline": optional strings (older manifests: none)
     "target": {"name": str, "arch": str, "driver": str},
     "dtype": str,
     "image": {
@@ -196,6 +209,9 @@ def parse_manifest(root: Path, data) -> Manifest:
         raise _invalid(root, f"missing {e}") from None
     except (TypeError, AttributeError, ValueError):
         raise _invalid(root, "a submodule or text encoder entry has the wrong shape") from None
+    for key in ("family", "pipeline"):
+        if not isinstance(data["model"].get(key, ""), str):
+            raise _invalid(root, f"'model.{key}' is not a string")
     _check_inside(root, data["scheduler"]["config"])
     for rel, digest in data["files"].items():
         _check_inside(root, rel)

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import schedulers
 from .errors import UserError
+from .families import PIPELINES
 from .manifest import Manifest
 from .rng import PerImageGenerators, TorchCPUGenerator
 from .session import Session
@@ -72,6 +73,12 @@ def scheduler_config(manifest: Manifest) -> dict:
 
 def resolve_request(manifest: Manifest, req: GenerationRequest) -> GenerationRequest:
     """Fill defaults from the artifact and reject what it cannot do, before any work."""
+    if manifest.pipeline not in PIPELINES:
+        raise UserError(
+            f"{manifest.root} holds a {manifest.family} model run by the "
+            f"'{manifest.pipeline}' pipeline, which this sdiree does not have (it runs "
+            f"{', '.join(PIPELINES)}); run it with the sdiree that compiled it, or a newer one"
+        )
     config = scheduler_config(manifest)
     try:
         name = schedulers.resolve_name(req.scheduler) if req.scheduler else None
@@ -91,6 +98,8 @@ def resolve_request(manifest: Manifest, req: GenerationRequest) -> GenerationReq
         ("width", req.width, img["width"]),
         ("height", req.height, img["height"]),
     ):
+        if asked is not None and (asked <= 0 or asked % 8):
+            raise UserError(f"--{label} {asked} is not a positive multiple of 8; leave it out")
         if asked is not None and asked != compiled:
             raise UserError(
                 f"--{label} {asked}: this artifact was compiled for {img['width']}x"

@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny SD 1.x model and its compiled artifacts, built once per session.
+"""Shared fixtures: the tiny SD 1.x and SD 2.x models and their compiled artifacts, built once
+per session (`compiled`, `compiled_sd2`).
 
 Artifacts are compiled through the same code path as `sdiree compile` and cached for the whole
 test session, so compile tests and runtime tests share them. When the compile tests are
@@ -33,6 +34,16 @@ def tiny_model(tmp_path_factory) -> Path:
     from make_tiny_sd import make_tiny_sd
 
     return make_tiny_sd(tmp_path_factory.mktemp("models") / "tiny-sd", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd2_model(tmp_path_factory) -> Path:
+    """A tiny SD 2.1-architecture model (v-prediction, gelu text encoder, linear projections,
+    per-block head counts, attention upcast), 64x64."""
+    pytest.importorskip("torch")
+    from make_tiny_sd import make_tiny_sd
+
+    return make_tiny_sd(tmp_path_factory.mktemp("models") / "tiny-sd2", seed=0, family="sd2")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -84,7 +95,7 @@ class CompiledArtifacts:
         self._stopped = False
 
     def out_dir(self, target: str, arch: str, dtype: str) -> Path:
-        return self.root / "tiny-sd" / f"{target}-{arch}-{dtype}"
+        return self.root / self.model.name / f"{target}-{arch}-{dtype}"
 
     def compile_ahead(self, keys) -> None:
         self._queue = list(keys)
@@ -159,5 +170,14 @@ def compiled(tiny_model, artifacts_root):
     artifacts = CompiledArtifacts(tiny_model, artifacts_root)
     if _ahead_wanted:
         artifacts.compile_ahead(AHEAD)
+    yield artifacts
+    artifacts.stop_ahead()
+
+
+@pytest.fixture(scope="session")
+def compiled_sd2(tiny_sd2_model, artifacts_root):
+    """The tiny SD 2.x model's artifacts, compiled on first use (no background queue: its
+    tests need few of them)."""
+    artifacts = CompiledArtifacts(tiny_sd2_model, artifacts_root)
     yield artifacts
     artifacts.stop_ahead()

@@ -1,12 +1,17 @@
-"""Write a tiny Stable Diffusion 1.x pipeline with random weights, in diffusers format.
+"""Write a tiny Stable Diffusion 1.x or 2.x pipeline with random weights, in diffusers format.
 
 Real classes at toy sizes (UNet2DConditionModel with cross-attention blocks, a four-block
 AutoencoderKL so latents are 1/8 of the image, CLIPTextModel, a CLIP BPE tokenizer with a small
-vocabulary of its own, SD 1.5's scheduler config), deterministic from a seed. Tests compile and
-run it in place of a downloaded model: the loading code reads it from disk exactly as it would
-read a real one. Needs the compile extra (torch, diffusers, transformers).
+vocabulary of its own, the real model's scheduler config), deterministic from a seed. Tests
+compile and run it in place of a downloaded model: the loading code reads it from disk exactly
+as it would read a real one. Needs the compile extra (torch, diffusers, transformers).
 
-    python tools/make_tiny_sd.py OUT_DIR [--seed 0] [--size 64]
+`--family sd2` gives SD 2.1's architecture features: the OpenCLIP-H text encoder as diffusers
+stores it (a CLIPTextModel with gelu, its tokenizer padding with "!"), UNet transformers with
+linear projections, a head count per block and attention upcast, and SD 2.1's v-prediction
+DDIM scheduler config.
+
+    python tools/make_tiny_sd.py OUT_DIR [--family sd1|sd2] [--seed 0] [--size 64]
 """
 
 from __future__ import annotations
@@ -35,32 +40,59 @@ SD15_SCHEDULER_CONFIG = {
 }
 
 
-def save_sd_pipeline(out_dir: Path, *, vae, text_encoder, tokenizer, unet) -> Path:
-    """Assemble an SD 1.x StableDiffusionPipeline with SD 1.5's scheduler and save it."""
-    from diffusers import PNDMScheduler, StableDiffusionPipeline
+# SD 2.1's scheduler_config.json (768x768, v-prediction): DDIM, the same betas as SD 1.5, with
+# the timestep spacing and offset its DDIM schedule uses written out.
+SD21_SCHEDULER_CONFIG = {
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "num_train_timesteps": 1000,
+    "set_alpha_to_one": False,
+    "skip_prk_steps": True,
+    "steps_offset": 1,
+    "timestep_spacing": "leading",
+    "clip_sample": False,
+    "prediction_type": "v_prediction",
+    "trained_betas": None,
+}
+SCHEDULERS = {
+    "sd1": ("PNDMScheduler", SD15_SCHEDULER_CONFIG),
+    "sd2": ("DDIMScheduler", SD21_SCHEDULER_CONFIG),
+}
 
+
+def save_sd_pipeline(
+    out_dir: Path, *, vae, text_encoder, tokenizer, unet, family: str = "sd1"
+) -> Path:
+    """Assemble a StableDiffusionPipeline with the family's real scheduler config and save it."""
+    import diffusers
+    from diffusers import StableDiffusionPipeline
+
+    sched_class, sched_config = SCHEDULERS[family]
     pipe = StableDiffusionPipeline(
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         unet=unet,
-        scheduler=PNDMScheduler.from_config(SD15_SCHEDULER_CONFIG),
+        scheduler=getattr(diffusers, sched_class).from_config(sched_config),
         safety_checker=None,
         feature_extractor=None,
         requires_safety_checker=False,
     )
     pipe.save_pretrained(out_dir, safe_serialization=True)
-    # Keep SD 1.5's scheduler file as it is on the hub, keys PNDM ignores (clip_sample) included.
+    # Keep the scheduler file as it is on the hub, keys the class ignores (clip_sample) included.
     sched_path = Path(out_dir) / "scheduler" / "scheduler_config.json"
     saved = json.loads(sched_path.read_text())
-    sched_path.write_text(json.dumps({**saved, **SD15_SCHEDULER_CONFIG}, indent=2) + "\n")
+    sched_path.write_text(json.dumps({**saved, **sched_config}, indent=2) + "\n")
     return Path(out_dir)
 
 
-def make_tiny_sd(out_dir: Path, seed: int = 0, size: int = 64) -> Path:
-    """Build the tiny pipeline and save it to out_dir; returns out_dir."""
+def make_tiny_sd(out_dir: Path, seed: int = 0, size: int = 64, family: str = "sd1") -> Path:
+    """Build the tiny pipeline of a family (sd1, sd2) and save it to out_dir; returns out_dir."""
+    if family == "sd2":
+        return make_tiny_sd2(out_dir, seed=seed, size=size)
     import torch
-    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from diffusers import UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
     out_dir = Path(out_dir)
@@ -96,7 +128,17 @@ def make_tiny_sd(out_dir: Path, seed: int = 0, size: int = 64) -> Path:
         attention_head_dim=8,
         norm_num_groups=8,
     )
-    vae = AutoencoderKL(
+    vae = _tiny_vae(size)
+    return save_sd_pipeline(
+        out_dir, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet
+    )
+
+
+def _tiny_vae(size: int):
+    """SD's AutoencoderKL layout (four blocks: latents 1/8 of the image) at toy widths."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
         in_channels=3,
         out_channels=3,
         down_block_types=("DownEncoderBlock2D",) * 4,
@@ -107,19 +149,74 @@ def make_tiny_sd(out_dir: Path, seed: int = 0, size: int = 64) -> Path:
         norm_num_groups=8,
         sample_size=size,
     )
+
+
+def make_tiny_sd2(out_dir: Path, seed: int = 0, size: int = 64) -> Path:
+    """A tiny SD 2.1 (v-prediction): SD 2.1's architecture features at toy sizes."""
+    import torch
+    from diffusers import UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    out_dir = Path(out_dir)
+    tok_dir = out_dir / "tokenizer"
+    # OpenCLIP's tokenizer, as SD 2.x ships it, pads with "!" rather than the end token.
+    write_tiny_clip_tokenizer(tok_dir, seed=seed, pad_token="!")
+    tokenizer = CLIPTokenizer.from_pretrained(tok_dir)
+
+    torch.manual_seed(seed)
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=128,
+            num_hidden_layers=3,  # SD 2.x: OpenCLIP-H's 24 layers less the last, 23
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            projection_dim=32,
+            hidden_act="gelu",  # OpenCLIP; SD 1.x's CLIP ViT-L has quick_gelu
+            layer_norm_eps=1e-5,
+            # SD 2.x's text_encoder/config.json has these placeholder ids; eos 2 makes
+            # transformers pool at the largest token id (the end token), as for SD 2.x
+            bos_token_id=0,
+            eos_token_id=2,
+            pad_token_id=1,
+        )
+    )
+    unet = UNet2DConditionModel(
+        sample_size=size // 8,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64, 64),
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        # SD 2.x's [5, 10, 20, 20]: a head count per block (diffusers' name for it)
+        attention_head_dim=(2, 4, 4),
+        use_linear_projection=True,
+        upcast_attention=True,
+        norm_num_groups=8,
+    )
     return save_sd_pipeline(
-        out_dir, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet
+        out_dir,
+        vae=_tiny_vae(size),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        family="sd2",
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--family", choices=tuple(SCHEDULERS), default="sd1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--size", type=int, default=64, help="image height/width in pixels")
     args = parser.parse_args(argv)
-    make_tiny_sd(args.out_dir, seed=args.seed, size=args.size)
-    print(f"wrote tiny SD 1.x pipeline to {args.out_dir}")
+    make_tiny_sd(args.out_dir, seed=args.seed, size=args.size, family=args.family)
+    label = {"sd1": "SD 1.x", "sd2": "SD 2.x (v-prediction)"}[args.family]
+    print(f"wrote tiny {label} pipeline to {args.out_dir}")
     return 0
 
 

@@ -1,5 +1,8 @@
 """End-to-end parity: `sdiree run`'s pipeline against diffusers' StableDiffusionPipeline.
 
+For the families that pipeline runs (SD 1.x and SD 2.x: the scheduler config carries 2.x's
+v-prediction).
+
 Same model folder, seed (CPU generator), scheduler, steps, guidance and prompts; the 8-bit
 images are compared by PSNR. Used by the tests and by hand:
 
@@ -39,10 +42,21 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def diffusers_images(
-    model_dir, scheduler, steps, guidance, seed, prompt, negative, n, size, per_image_seeds=False
+    model_dir,
+    scheduler,
+    steps,
+    guidance,
+    seed,
+    prompt,
+    negative,
+    n,
+    size,
+    per_image_seeds=False,
+    scheduler_overrides=None,
 ):
     """uint8 NHWC images from diffusers on the CPU, fp32: one CPU generator for all images, or
-    with per_image_seeds a list of them seeded seed + i."""
+    with per_image_seeds a list of them seeded seed + i. scheduler_overrides change the model's
+    scheduler config (e.g. a wrong prediction_type, to show a test would see it)."""
     import diffusers
     import torch
 
@@ -51,7 +65,9 @@ def diffusers_images(
     )
     pipe.set_progress_bar_config(disable=True)
     cls_name, overrides = DIFFUSERS_SCHEDULERS[scheduler]
-    pipe.scheduler = getattr(diffusers, cls_name).from_config(pipe.scheduler.config, **overrides)
+    pipe.scheduler = getattr(diffusers, cls_name).from_config(
+        pipe.scheduler.config, **overrides, **(scheduler_overrides or {})
+    )
     out = pipe(
         prompt,
         negative_prompt=negative or None,

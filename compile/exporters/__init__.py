@@ -10,8 +10,9 @@ from __future__ import annotations
 # the MLIR cache key). 2: Winograd weights computed at export, as parameters of their own;
 # 3: Winograd transforms with fewer traced ops; 4: GroupNorm in float32 for half precision, and
 # the `pointwise_einsum` conv choice; 5: chunked attention as 2-D matmuls per head; 6: `denoise_cfg`
-# takes the latents once, and the UNet's layers before the text enters run once for both halves.
-EXPORTER_REVISION = 6
+# takes the latents once, and the UNet's layers before the text enters run once for both halves;
+# 7: under `sdpa`, layers with `upcast_attention` (SD 2.x) attend in fp32.
+EXPORTER_REVISION = 7
 
 SCOPES = {
     "text_encoder": "text_encoder",

@@ -12,6 +12,12 @@
   1x1024x4096x40 batch_matmul ~1.5x slower than the same 1024x4096x40 matmul, and a 4-head
   batch_matmul (32x32 latents) or a 16-head one (cross-attention) ~15-25 % slower than
   per-head matmuls (tools/PERFORMANCE.md).
+
+Attention upcast (SD 2.x's `upcast_attention: true`, whose fp16 attention scores overflow):
+`decomposed` (diffusers' get_attention_scores) and `chunked` compute such a layer's scores in
+fp32; diffusers' fused AttnProcessor2_0 does not (torch's fused kernels accumulate in fp32
+inside, IREE's attention op is not known to), so under `sdpa` those layers get
+UpcastSdpaProcessor: the same fused op on fp32 query, key and value.
 """
 
 from __future__ import annotations
@@ -100,7 +106,7 @@ class ChunkedAttnProcessor:
         if attn.upcast_attention or attn.upcast_softmax:
             query, key, value = query.float(), key.float(), value.float()
             mask = None if mask is None else mask.float()
-        out = chunked_attention(query, key, value, attn.scale, mask).to(dtype)
+        out = self.attend(query, key, value, attn.scale, mask).to(dtype)
         hidden_states = attn.to_out[1](attn.to_out[0](attn.batch_to_head_dim(out)))
         if input_ndim == 4:
             hidden_states = hidden_states.transpose(-1, -2).reshape(batch, channel, height, width)
@@ -108,9 +114,26 @@ class ChunkedAttnProcessor:
             hidden_states = hidden_states + residual
         return hidden_states / attn.rescale_output_factor
 
+    def attend(self, query, key, value, scale, mask):
+        return chunked_attention(query, key, value, scale, mask)
+
+
+class UpcastSdpaProcessor(ChunkedAttnProcessor):
+    """The fused op (`sdpa`) for a layer that asks for attention upcast: query, key and value
+    enter it in fp32 (ChunkedAttnProcessor's casts), the result returns to the model's dtype."""
+
+    def attend(self, query, key, value, scale, mask):
+        # [batch*heads, tokens, dim] as one batch of heads: the 4-D form of the fused op
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query[None], key[None], value[None], attn_mask=None if mask is None else mask[None],
+            scale=scale,
+        )  # fmt: skip
+        return out[0]
+
 
 def set_attention(model: torch.nn.Module, attention: str) -> None:
-    """Give every attention layer of a diffusers model the processor for an export choice."""
+    """Give every attention layer of a diffusers model the processor for an export choice
+    (under `sdpa`, layers that ask for attention upcast get UpcastSdpaProcessor)."""
     from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
     processors = {
@@ -121,3 +144,11 @@ def set_attention(model: torch.nn.Module, attention: str) -> None:
     if attention not in processors:
         raise ValueError(f"unknown attention export choice {attention!r}; one of {ATTENTIONS}")
     model.set_attn_processor(processors[attention]())
+    if attention == "sdpa":
+        from diffusers.models.attention_processor import Attention
+
+        for module in model.modules():
+            # upcast_attention only: the VAE's softmax-upcast layers keep the fused op as
+            # before, so SD 1.x exports do not change
+            if isinstance(module, Attention) and module.upcast_attention:
+                module.set_processor(UpcastSdpaProcessor())
