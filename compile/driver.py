@@ -5,7 +5,8 @@ every target with the same export choices), parameters (one archive per scope an
 by every target/arch/shape), compile (one vmfb per submodule), then the archives the runtime
 loads are linked into the artifact, the runtime's tokenizer and scheduler files copied, and the
 manifest written last. Every stage is keyed by its inputs: unchanged inputs are reused and said
-to be, a changed flag or spec recompiles only what it touches.
+to be, a changed flag or spec recompiles only what it touches. What is decided before any
+file is written (options, checks, arch/dtype/size, where files go) is compile/plan.py's.
 
 Where files go. The artifact directory (`--out`) is self-contained: it holds every file the
 runtime reads, the shared parameter archives included as hardlinks (no extra disk; a copy where
@@ -27,11 +28,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import os
 import re
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from sdiree.runtime import __version__ as SDIREE_VERSION
@@ -48,198 +47,27 @@ from sdiree.runtime.fileutil import (
     sha256_file,
     sha256_json,
     temp_path_for,
-    user_cache_dir,
 )
 from sdiree.runtime.manifest import HASH_CACHE, MANIFEST_NAME, check_files, load_manifest
-from sdiree.runtime.targets import Registry, Target, load_registry
 
-from . import arch_select
 from .exporters import EXPORTER_REVISION
 from .manifest_writer import build_manifest
-from .model_source import ModelSource, open_model
+from .plan import (  # noqa: F401  (re-exported: callers import the compile API from here)
+    CACHE_ENV,
+    MAX_SIDE,
+    SUBMODULES,
+    CompileOptions,
+    Plan,
+    flags_for,
+    resolve,
+)
 from .quiet import quiet_libraries
 from .report import Reporter
 
-SUBMODULES = ("text_encoder", "unet", "vae_decoder", "vae_encoder")
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
 BUILD_STATE = ".build-state.json"
-# The largest --height/--width: 8x SD 1.5's 512. The UNet's first self-attention runs over
-# (side/8)^2 tokens, so its cost grows with the fourth power of the side; past this, one call
-# is out of reach of a single machine's memory and time.
-MAX_SIDE = 4096
-CACHE_ENV = "SDIREE_CACHE"
 # How a full disk reads where it does not come as an OSError (iree's archive writer, iree-compile)
 _DISK_FULL = re.compile(r"no space left on device|out of disk space|disk quota exceeded", re.I)
-
-
-@dataclass
-class CompileOptions:
-    model_dir: Path
-    target: str
-    arch: str | None = None
-    dtype: str | None = None
-    height: int | None = None
-    width: int | None = None
-    batch_size: int = 1
-    out: Path | None = None
-    specs_dir: Path | None = None
-    artifacts_root: Path = Path("artifacts")
-    submodules: tuple[str, ...] = SUBMODULES
-
-
-@dataclass
-class Plan:
-    """Everything resolved before any file is written."""
-
-    model: ModelSource
-    registry: Registry
-    target: Target
-    arch: str
-    dtype: str
-    height: int
-    width: int
-    batch_size: int
-    out: Path
-    shared: Path
-    submodules: tuple[str, ...]
-    configs: dict = field(default_factory=dict)
-    explicit_out: bool = True  # --out given: the cache is the user's, not out's parent
-
-    @property
-    def family(self):
-        """The model's family (sdiree.runtime.families.Family)."""
-        return self.model.family
-
-    @property
-    def export_dtype(self) -> str:
-        """The dtype the model is exported and its parameters saved in (shared across dtypes
-        that only compile differently, such as cpu bf16 over fp32)."""
-        return self.target.export_dtype(self.dtype)
-
-    @property
-    def latent_hw(self) -> tuple[int, int]:
-        f = self.vae_factor
-        return self.height // f, self.width // f
-
-    @property
-    def vae_factor(self) -> int:
-        return 2 ** (len(self.configs["vae"]["block_out_channels"]) - 1)
-
-
-def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
-    """Check every input and fix every choice; raises UserError, writes nothing."""
-    registry = load_registry(opts.specs_dir)
-    target = registry.target(opts.target)
-    model = open_model(opts.model_dir)  # its family detected, or refused, here
-    family = model.family
-    configs = {c: model.config(c) for c in ("unet", "vae", "text_encoder", "scheduler")}
-    prediction = configs["scheduler"].get("prediction_type", "epsilon")
-    if prediction not in family.prediction_types:
-        raise UserError(
-            f"{model.path}/scheduler/scheduler_config.json: prediction_type {prediction!r} is "
-            f"not one an {family.label} model uses ({', '.join(family.prediction_types)})"
-        )
-
-    arch = opts.arch or target.default_arch
-    if arch == "auto":
-        arch, why = arch_select.auto_arch(target)
-        reporter.say(f"arch auto: picked {arch} ({why})")
-    else:
-        target.arch(arch)
-
-    dtype = target.pick_dtype(arch, opts.dtype)
-    if opts.dtype is None and dtype != target.default_dtype:
-        why = target.refusals(arch)[target.default_dtype]
-        reporter.say(f"dtype: {dtype}, as {target.default_dtype} is refused for {arch} ({why})")
-    missing = target.missing_cpu_features(dtype, arch)
-    if missing:
-        reporter.say(
-            f"note: {arch}'s CPU has no {', '.join(missing)}, so {dtype} is compiled without the "
-            "code paths that need it and runs slower than on a CPU with it (specs/README.md)"
-        )
-
-    vae_factor = 2 ** (len(configs["vae"]["block_out_channels"]) - 1)
-    default_hw = configs["unet"]["sample_size"] * vae_factor
-    height = default_hw if opts.height is None else opts.height
-    width = default_hw if opts.width is None else opts.width
-    step = family.size_multiple
-    for label, v in (("height", height), ("width", width)):
-        if v <= 0 or v % step:
-            raise UserError(
-                f"--{label} {v} is not a positive multiple of {step}, which {family.label} "
-                f"models need; use e.g. {default_hw}"
-            )
-        if v > MAX_SIDE:
-            raise UserError(
-                f"--{label} {v} is larger than sdiree compiles ({MAX_SIDE} at most); "
-                f"{model.name} was trained at {default_hw}"
-            )
-    if opts.batch_size < 1:
-        raise UserError(f"--batch-size {opts.batch_size} must be at least 1")
-
-    if opts.out is None:
-        shared = Path(opts.artifacts_root).absolute() / model.name
-        out = shared / f"{target.name}-{arch}-{dtype}-{height}x{width}-b{opts.batch_size}"
-    else:
-        out = Path(opts.out).absolute()
-        shared = user_cache_dir() / model.name
-    _check_not_in_model(out, model.path)
-    _check_writable(out)
-    _check_writable(shared, f"the compile cache {shared}", f"set {CACHE_ENV} to a writable folder")
-    known = tuple(family.submodules)
-    unknown = set(opts.submodules) - set(known)
-    if unknown:
-        raise UserError(f"unknown submodule(s) {sorted(unknown)}: choose from {known}")
-    return Plan(
-        model=model,
-        registry=registry,
-        target=target,
-        arch=arch,
-        dtype=dtype,
-        height=height,
-        width=width,
-        batch_size=opts.batch_size,
-        out=out,
-        shared=shared,
-        submodules=tuple(opts.submodules),
-        configs=configs,
-        explicit_out=opts.out is not None,
-    )
-
-
-def _check_not_in_model(out: Path, model_dir: Path) -> None:
-    model_dir, real_out = Path(model_dir).resolve(), out.resolve()
-    if real_out == model_dir or model_dir in real_out.parents:
-        raise UserError(
-            f"--out {out} is inside the model folder {model_dir}; choose a folder outside it"
-        )
-
-
-def _check_writable(out: Path, what: str = "", fix: str = "choose another --out") -> None:
-    """Fail early, without creating anything, when out cannot be created or written."""
-    what = what or f"--out {out}"
-    probe = out
-    while not probe.exists() and not probe.is_symlink():
-        probe = probe.parent
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{what} exists and is not a directory; {fix}")
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write to {out} ({probe} is not a writable folder); {fix}")
-
-
-def flags_for(plan: Plan, submodule: str) -> tuple[list[str], dict[str, str]]:
-    """The full iree-compile flag list for a submodule, and {spec path: sha256} it uses."""
-    t = plan.target
-    flags = t.compile_flags(plan.arch, plan.dtype, submodule)
-    specs = {}
-    spec_rel = t.tuning_specs.get(submodule) or t.tuning_specs.get("*")
-    if spec_rel:
-        spec = plan.registry.spec_path(spec_rel)
-        if not spec.is_file():
-            raise UserError(f"tuning spec {spec} named in targets.json does not exist")
-        specs[spec_rel] = sha256_file(spec)
-        flags.append(f"--iree-codegen-tuning-spec-path={spec}")
-    return flags, specs
 
 
 def _versions() -> dict:
