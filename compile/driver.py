@@ -299,6 +299,7 @@ class Builder:
             prev.get("compile_key") == key
             and self.intact(vmfb, prev.get("vmfb_sha256"))
             and (not prev.get("encoded") or self.intact(encoded, prev["encoded"]["sha256"]))
+            and _encoder_intact(self, prev.get("encoded"))
         ):
             self.r.reused("compile", submodule)
             return prev
@@ -323,8 +324,12 @@ class Builder:
         self, submodule: str, mlir: Path, archives: list[Path], flags: list[str], log: Path
     ) -> dict | None:
         """Compile submodule with its weight transforms split into an encoder module, run that
-        once, and keep its output beside the vmfb (`<submodule>.encoded.irpa`). Returns the
-        archive's manifest entry, or None when there was nothing to precompute."""
+        once, and keep its output beside the vmfb (`<submodule>.encoded.irpa`). The encoder is
+        kept too (`<submodule>.encoder.vmfb`): the runtime runs it on other weights (`sdiree run
+        --weights/--lora`). Returns the archive's manifest entry, or None when there was nothing
+        to precompute."""
+        from sdiree.runtime.weights.archive import Archive
+
         from .exporters import scope_for
         from .iree_compile import compile_mlir
         from .param_encoder import encoder_flags, loads_with, run_encoder
@@ -332,14 +337,16 @@ class Builder:
         out = self.plan.out
         vmfb = out / f"{submodule}.vmfb"
         encoded = out / f"{submodule}.encoded.irpa"
+        encoder = out / f"{submodule}.encoder.vmfb"
         scope = f"{submodule}_encoded"
         enc_mlir = temp_path_for(out / f"{submodule}.encoder.mlir")
-        enc_vmfb = temp_path_for(out / f"{submodule}.encoder.vmfb")
+        enc_vmfb = temp_path_for(encoder)
         try:
             with self.r.stage("compile", submodule):
                 compile_mlir(mlir, vmfb, [*flags, *encoder_flags(enc_mlir, scope)], log)
             if not enc_mlir.is_file():
                 encoded.unlink(missing_ok=True)
+                encoder.unlink(missing_ok=True)
                 return None
             with self.r.stage("encode", submodule):
                 compile_mlir(enc_mlir, enc_vmfb, flags, log)
@@ -350,22 +357,44 @@ class Builder:
                     encoded,
                     self.plan.target.driver,
                 )
+            if count:
+                enc_vmfb.replace(encoder)
         finally:
             enc_mlir.unlink(missing_ok=True)
             enc_vmfb.unlink(missing_ok=True)
         if count == 0:
             encoded.unlink(missing_ok=True)
+            encoder.unlink(missing_ok=True)
             return None
         # Weights derived at export usually reach the module only through the encoder; then the
         # artifact does not need their archive at run time.
         needed = [(scope_for(submodule), archives[0]), (scope, encoded)]
         needs_derived = not loads_with(vmfb, needed, self.plan.target.driver)
+        # What the encoder reads besides the model's weights: the runtime recomputes these from
+        # replaced weights (their archive is not in the artifact).
+        derived = {}
+        for archive in archives[1:]:
+            for key, e in Archive(archive).entries.items():
+                derived[key] = {"shape": list(e.shape), "dtype": e.dtype.name}
         return {
             "path": encoded.name,
             "scope": scope,
             "sha256": sha256_file(encoded),
             "needs_derived": needs_derived,
+            "encoder": {
+                "vmfb": encoder.name,
+                "sha256": sha256_file(encoder),
+                "derived": derived,
+            },
         }
+
+
+def _encoder_intact(b: Builder, encoded: dict | None) -> bool:
+    """The kept encoder of an encoded build is in place (builds before it was kept: rebuild)."""
+    if not encoded:
+        return True
+    enc = encoded.get("encoder")
+    return bool(enc) and b.intact(b.plan.out / enc["vmfb"], enc["sha256"])
 
 
 def compile_model(opts: CompileOptions, reporter: Reporter | None = None) -> Path:
@@ -481,6 +510,8 @@ def _up_to_date(b: Builder, state: dict) -> bool:
         if not mlir.is_file() or not b.signature_path(sub).is_file():
             return False
         if state.get(sub, {}).get("compile_key") != b.compile_key(sub, mlir, b.params_digests(sub)):
+            return False
+        if not _encoder_intact(b, state.get(sub, {}).get("encoded")):
             return False
     try:  # every file there and whole: by its stamp, or hashed again where that changed
         check_files(manifest, plan.out / HASH_CACHE)

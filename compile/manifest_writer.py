@@ -43,8 +43,15 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
         files[vmfb_rel] = res["vmfb_sha256"]
         params, enc = res["params"], res.get("encoded")  # params: the archives it loads
         archives = [(_rel(path, out), sha, scope_for(sub)) for path, sha in params]
+        encoder = None
         if enc:
             archives.append((enc["path"], enc["sha256"], enc["scope"]))
+            files[enc["encoder"]["vmfb"]] = enc["encoder"]["sha256"]
+            encoder = {
+                "vmfb": enc["encoder"]["vmfb"],
+                "scope": enc["scope"],
+                "derived": enc["encoder"]["derived"],
+            }
         for rel, sha, _ in archives:
             files[rel] = sha
         submodules[sub] = {
@@ -52,6 +59,8 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
             "parameters": archives[0][0],
             "scope": archives[0][2],
             "extra_parameters": [{"path": rel, "scope": scope} for rel, _, scope in archives[1:]],
+            # the kept parameter encoder: what `sdiree run --weights/--lora` re-encodes with
+            **({"encoder": encoder} if encoder else {}),
             "mlir": res["mlir"].name,
             "export": builder.export_options(sub),
             "functions": signatures[sub],

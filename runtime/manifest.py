@@ -27,9 +27,11 @@ from .fileutil import (
 )
 
 # 2 added a submodule's `extra_parameters` ([{path, scope}]): archives loaded beside
-# `parameters` (weights derived at export, weights encoded at compile). Version 1 is still read.
-SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (1, 2)
+# `parameters` (weights derived at export, weights encoded at compile). 3 added a submodule's
+# `encoder` ({vmfb, scope, derived}): the parameter encoder kept to encode other weights.
+# Versions 1 and 2 are still read.
+SCHEMA_VERSION = 3
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 DEFAULT_PIPELINE = "text2img"  # of manifests from before families were recorded
 HASH_CACHE = ".verified.json"  # in the artifact: {path: [size, mtime, ctime, inode, sha256]}
@@ -54,6 +56,17 @@ class FunctionDecl:
 
 
 @dataclass(frozen=True)
+class EncoderDecl:
+    """A kept parameter encoder: it computes the `scope` archive (the submodule's encoded
+    weights) from the submodule's weights and the `derived` ones ({key: (shape, dtype)}),
+    which the runtime recomputes from the weights."""
+
+    vmfb: str
+    scope: str
+    derived: dict[str, tuple[tuple[int, ...], str]]
+
+
+@dataclass(frozen=True)
 class SubmoduleDecl:
     name: str
     vmfb: str
@@ -61,6 +74,7 @@ class SubmoduleDecl:
     scope: str | None
     functions: dict[str, FunctionDecl]
     extra_parameters: tuple[tuple[str, str], ...] = ()  # (path, scope)
+    encoder: EncoderDecl | None = None
 
     def archives(self) -> list[tuple[str, str]]:
         """(archive path relative to the artifact, parameter scope) for every archive it loads."""
@@ -169,6 +183,16 @@ def _check_inside(root: Path, rel) -> str:
     return rel
 
 
+def _encoder_decl(root: Path, e) -> EncoderDecl | None:
+    if e is None:
+        return None
+    derived = {
+        str(k): (tuple(int(x) for x in v["shape"]), str(v["dtype"]))
+        for k, v in e["derived"].items()
+    }
+    return EncoderDecl(_check_inside(root, e["vmfb"]), str(e["scope"]), derived)
+
+
 def parse_manifest(root: Path, data) -> Manifest:
     if not isinstance(data, dict):
         raise _invalid(root, f"a JSON {type(data).__name__}, not an object")
@@ -204,6 +228,7 @@ def parse_manifest(root: Path, data) -> Manifest:
                     (_check_inside(root, e["path"]), e["scope"])
                     for e in s.get("extra_parameters", ())
                 ),
+                _encoder_decl(root, s.get("encoder")),
             )
     except (KeyError, IndexError) as e:
         raise _invalid(root, f"missing {e}") from None

@@ -17,16 +17,24 @@ from .device import CPU_DRIVERS, DeviceInfo, create_device, to_host
 from .errors import UserError
 from .host_memory import keep_freed_host_memory
 from .manifest import FunctionDecl, Manifest
+from .weights.overrides import LoadedWeights, WeightOverrides
 
 T = TypeVar("T")
 
 
 class Session:
-    def __init__(self, manifest: Manifest, device_info: DeviceInfo, submodules: Iterable[str]):
+    def __init__(
+        self,
+        manifest: Manifest,
+        device_info: DeviceInfo,
+        submodules: Iterable[str],
+        overrides: WeightOverrides | None = None,
+    ):
         import iree.runtime as rt
 
         self.manifest = manifest
         self.device_info = device_info
+        self.overrides = overrides
         submodules = tuple(submodules)
         if device_info.driver in CPU_DRIVERS:
             keep_freed_host_memory()
@@ -55,12 +63,8 @@ class Session:
         self.instance = rt.VmInstance()
         hal = rt.create_hal_module(self.instance, self.device)
         modules = [hal]
-        archives = dict.fromkeys(  # the VAE's halves share their model archive: load it once
-            (scope, manifest.path(path))
-            for name in submodules
-            for path, scope in manifest.submodules[name].archives()
-        )
-        providers = parameter_providers(list(archives))
+        self.weights = LoadedWeights(manifest, tuple(submodules), self.overrides, self.device)
+        providers = self.weights.providers()
         if providers:
             modules.insert(0, rt.create_io_parameters_module(self.instance, *providers))
         self._vm_modules = {}
@@ -135,6 +139,7 @@ def with_fresh_device_on_loss(
     submodules: Iterable[str],
     work: Callable[[Session], T],
     warn: Callable[[str], None],
+    overrides: WeightOverrides | None = None,
 ) -> T:
     """Open a session and run `work` on it; if the device is lost, once more on a fresh device.
 
@@ -144,7 +149,7 @@ def with_fresh_device_on_loss(
     """
     submodules = tuple(submodules)
     try:
-        return work(Session(manifest, device_info, submodules))
+        return work(Session(manifest, device_info, submodules, overrides))
     except RuntimeError as e:
         if not is_device_lost(e):
             raise
@@ -152,7 +157,7 @@ def with_fresh_device_on_loss(
             f"the {device_info.label} device was lost ({_first_line(e)}); retrying once on a fresh one"
         )
     try:
-        return work(Session(manifest, device_info, submodules))
+        return work(Session(manifest, device_info, submodules, overrides))
     except RuntimeError as e:
         if not is_device_lost(e):
             raise

@@ -23,6 +23,8 @@ import types
 import torch
 import torch.nn.functional as F
 
+from sdiree.runtime.weights.winograd import WINOGRAD, WINOGRAD_PARAM
+
 # "native": torch's Conv2d as traced; "matmul": im2col + matmul; "winograd": Winograd F(2x2,3x3)
 # for 3x3 stride-1 convs on even sizes (2.25x fewer multiplies), im2col + matmul for the rest.
 # Its transformed weights are 16/9 the size of the originals. Packing them is hoisted to load
@@ -38,38 +40,7 @@ CONV_CHOICES = ("native", "matmul", "winograd", "winograd4", "pointwise_einsum")
 # The Winograd choices and their output tile size m of F(m x m, 3x3).
 WINOGRAD_TILES = {"winograd": 2, "winograd4": 4}
 
-# Winograd F(m x m, 3x3) transforms (Lavin & Gray 2015): Y = A^T [(G g G^T) * (B^T d B)] A, per
-# (m+2)x(m+2) input tile. F(2x2,3x3) needs 16 multiplies per 4 outputs instead of 36.
-WINOGRAD = {
-    2: (
-        ((1, 0, -1, 0), (0, 1, 1, 0), (0, -1, 1, 0), (0, 1, 0, -1)),
-        ((1.0, 0.0, 0.0), (0.5, 0.5, 0.5), (0.5, -0.5, 0.5), (0.0, 0.0, 1.0)),
-        ((1, 1, 1, 0), (0, 1, -1, -1)),
-    ),
-    4: (
-        (
-            (4, 0, -5, 0, 1, 0),
-            (0, -4, -4, 1, 1, 0),
-            (0, 4, -4, -1, 1, 0),
-            (0, -2, -1, 2, 1, 0),
-            (0, 2, -1, -2, 1, 0),
-            (0, 4, 0, -5, 0, 1),
-        ),
-        (
-            (1 / 4, 0.0, 0.0),
-            (-1 / 6, -1 / 6, -1 / 6),
-            (-1 / 6, 1 / 6, -1 / 6),
-            (1 / 24, 1 / 12, 1 / 6),
-            (1 / 24, -1 / 12, 1 / 6),
-            (0.0, 0.0, 1.0),
-        ),
-        ((1, 1, 1, 1, 1, 0), (0, 1, -1, 2, -2, 0), (0, 1, 1, 4, 4, 0), (0, 1, -1, 8, -8, 1)),
-    ),
-}
 WINOGRAD_TILE = WINOGRAD_TILES["winograd"]
-# The transformed weight G g G^T is computed at export and saved as a parameter of its own, so
-# the compiled module only repacks it (which the parameter encoder then does at compile time).
-WINOGRAD_PARAM = "weight_winograd"
 
 
 def conv2d_as_matmul(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:

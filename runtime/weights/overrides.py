@@ -1,0 +1,216 @@
+"""Parameter providers that serve replaced tensors in place of an artifact's own.
+
+A `WeightOverrides` holds, per parameter scope, the tensors to load instead of the archive's
+(same names, shapes and dtypes, checked by `sources`). `LoadedWeights` builds the providers a
+Session's context loads from: a scope without replacements is the archive as compiled; a scope
+with some is an index whose untouched entries still point into the archive's memory map (no
+copy) and whose replaced ones point at the new arrays. What compile derived from the weights is
+derived again from the replaced ones: Winograd-transformed 3x3 weights (cpu) in numpy, and a
+target's encoded (pre-packed) weights by running the parameter encoder the artifact keeps, once
+per set of weights: cached under the user cache when the set has a digest (a weights file, a
+VAE), else written to a temp file that is unlinked as soon as it is mapped (LoRA merges).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UserError
+from ..fileutil import remove_stale_temps, sha256_json, temp_path_for, user_cache_dir
+from ..manifest import Manifest
+from .archive import Archive
+from .winograd import base_key, winograd_weight
+
+ENCODED_CACHE = "encoded"  # under the user cache: <key>/<submodule>.encoded.irpa
+
+
+@dataclass
+class WeightOverrides:
+    """Replacement tensors {scope: {key: array}} in the archives' dtypes, and a digest of
+    where they came from ("" when they are not worth caching, e.g. LoRA strengths)."""
+
+    tensors: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    digest: str = ""
+
+    def __bool__(self) -> bool:
+        return any(self.tensors.values())
+
+    def scopes(self) -> set[str]:
+        return {s for s, t in self.tensors.items() if t}
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class LoadedWeights:
+    """The parameter providers of one context: the artifact's archives for `submodules`, with
+    `overrides` served in place of their tensors. Keeps alive what the providers point into."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        submodules: tuple[str, ...],
+        overrides: WeightOverrides | None,
+        device,
+        report: Callable[[str], None] = say,
+    ):
+        import iree.runtime as rt
+
+        self.manifest = manifest
+        self.overrides = overrides or WeightOverrides()
+        self.report = report
+        self._keep: list = []
+        changed = self.overrides.scopes()
+        # (path, scope) of every archive the submodules load, the VAE's shared one once
+        archives = dict.fromkeys(
+            (manifest.path(path), scope)
+            for name in submodules
+            for path, scope in manifest.submodules[name].archives()
+        )
+        by_scope: dict[str, list[Path]] = {}
+        for path, scope in archives:
+            by_scope.setdefault(scope, []).append(path)
+        encoded_scopes = {
+            manifest.submodules[n].encoder.scope: n
+            for n in submodules
+            if manifest.submodules[n].encoder and manifest.submodules[n].scope in changed
+        }
+        for name in submodules:
+            sub = manifest.submodules[name]
+            if sub.scope in changed and sub.encoder is None and _has_encoded(sub):
+                raise UserError(
+                    f"{manifest.root} was compiled by an older sdiree that did not keep its "
+                    f"parameter encoders, which other weights need on {manifest.target}; "
+                    "recompile it with this sdiree to use --weights, --vae or --lora"
+                )
+        self.indices: dict[str, object] = {}
+        for scope, paths in by_scope.items():
+            if scope in encoded_scopes:
+                continue  # computed below from the replaced weights
+            if scope in changed:
+                self.indices[scope] = self._replaced_index(scope, paths, {}, self._keep)
+            else:
+                index = rt.ParameterIndex()
+                for p in paths:
+                    index.load(str(p))
+                self.indices[scope] = index
+        for scope, name in encoded_scopes.items():
+            self.indices[scope] = self._encoded_index(name, device)
+
+    def providers(self) -> list:
+        return [index.create_provider(scope=scope) for scope, index in self.indices.items()]
+
+    # -- replaced tensors ----------------------------------------------------------------
+    def _replaced_index(self, scope: str, paths: list[Path], derived: dict, keep: list):
+        """An index over scope's archives with the overrides in place, Winograd weights
+        derived from them, and the `derived` keys ({key: (shape, dtype)}, not in any archive
+        the artifact holds) computed from the weights. What the index points into is appended
+        to keep, which must live as long as the index."""
+        import iree.runtime as rt
+
+        replaced = self.overrides.tensors.get(scope, {})
+        index = rt.ParameterIndex()
+        originals = [Archive(p) for p in paths]
+        keep += originals
+
+        def weight(key: str) -> np.ndarray:
+            if key in replaced:
+                return replaced[key]
+            for a in originals:
+                if key in a.entries:
+                    return a.array(key)
+            raise KeyError(key)
+
+        for archive in originals:
+            for key, e in archive.entries.items():
+                base = base_key(key)
+                if key in replaced:
+                    _add_array(index, key, replaced[key], keep)
+                elif base is not None and (base in replaced) and key not in derived:
+                    _add_array(index, key, winograd_weight(weight(base), e.shape[0]), keep)
+                elif e.splat is not None:
+                    index.add_splat(key, np.frombuffer(e.splat, np.uint8).copy(), e.length)
+                else:
+                    handle, offset = archive.raw(key).file_storage
+                    index.add_from_file_handle(key, handle, e.length, offset)
+        for key, (shape, _dtype) in derived.items():
+            u = winograd_weight(weight(base_key(key)), shape[0])
+            if u.shape != shape:
+                raise UserError(
+                    f"{self.manifest.root}: derived weight {key} should be {list(shape)}, the "
+                    f"weights give {list(u.shape)}; recompile the artifact"
+                )
+            _add_array(index, key, u, keep)
+        return index
+
+    # -- encoded weights -----------------------------------------------------------------
+    def _encoded_index(self, name: str, device):
+        """The index of submodule name's encoded weights, computed from the replaced weights
+        by the artifact's kept encoder (or taken from the cache)."""
+        import iree.runtime as rt
+
+        from .encoder import run_encoder
+
+        m = self.manifest
+        sub = m.submodules[name]
+        enc = sub.encoder
+        encoder_sha = m.data["files"][enc.vmfb]
+        cache_dir = user_cache_dir() / ENCODED_CACHE
+        cached = None
+        if self.overrides.digest:
+            key = sha256_json({"encoder": encoder_sha, "weights": self.overrides.digest})[:24]
+            cached = cache_dir / key / f"{name}.encoded.irpa"
+        index = rt.ParameterIndex()
+        if cached is not None and cached.is_file():
+            self.report(f"{name}: encoded weights from the cache ({cached.parent})")
+            index.load(str(cached))
+            return index
+        own = [(m.path(p), s) for p, s in sub.archives() if s == sub.scope]
+        keep: list = []  # the encoder's inputs (derived weights too): freed once it ran
+        source = self._replaced_index(sub.scope, [p for p, _ in own], enc.derived, keep)
+        where = cached if cached is not None else cache_dir / f"{name}.encoded.irpa"
+        where.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(where.parent)
+        self.report(
+            f"{name}: encoding the replaced weights for {m.target} "
+            + ("(once per weights file; cached)" if cached else "(for this run only)")
+        )
+        t0 = time.perf_counter()
+        if cached is not None:
+            run_encoder(
+                m.path(enc.vmfb), [source.create_provider(scope=sub.scope)], enc.scope, cached,
+                device,
+            )  # fmt: skip
+            index.load(str(cached))
+        else:
+            tmp = temp_path_for(where)
+            try:
+                run_encoder(
+                    m.path(enc.vmfb), [source.create_provider(scope=sub.scope)], enc.scope, tmp,
+                    device,
+                )  # fmt: skip
+                index.load(str(tmp))  # mapped: the file can go now, its pages stay ours
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+        self.report(f"{name}: encoded in {time.perf_counter() - t0:.1f}s")
+        return index
+
+
+def _add_array(index, key: str, array: np.ndarray, keep: list) -> None:
+    array = np.ascontiguousarray(array)
+    keep.append(array)
+    index.add_buffer(key, array.reshape(-1).view(np.uint8))
+
+
+def _has_encoded(sub) -> bool:
+    return any(scope.endswith("_encoded") for _, scope in sub.extra_parameters)
