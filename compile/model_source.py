@@ -193,10 +193,29 @@ class ModelSource:
             raise UserError(f"could not load {component} from {self.path}: {msg}") from None
 
 
-def open_model(path: Path) -> ModelSource:
+def open_model(
+    path: Path,
+    *,
+    cache_dir: Path | None = None,
+    config_dir: Path | None = None,
+    prediction_type: str | None = None,
+    say=None,
+) -> ModelSource:
+    """A diffusers folder, or a single-file checkpoint converted to one in cache_dir (default:
+    the user cache) with config_dir's or the shipped configs (compile/single_file.py)."""
     path = Path(path)
+    if path.is_file():
+        path = _single_file_folder(path, cache_dir, config_dir, prediction_type, say)
+    elif config_dir is not None or prediction_type is not None:
+        option = "--config" if config_dir is not None else "--prediction-type"
+        raise UserError(
+            f"{option} is for a single-file checkpoint; {path} is not a file (a diffusers "
+            "folder's own configs and scheduler_config.json say these)"
+        )
     if not path.is_dir():
-        raise UserError(f"model folder {path} does not exist")
+        raise UserError(
+            f"model {path} does not exist (pass a diffusers folder or a checkpoint file)"
+        )
     index_path = path / "model_index.json"
     if not index_path.is_file():
         raise UserError(
@@ -239,6 +258,16 @@ def open_model(path: Path) -> ModelSource:
                 f"a {' or '.join(classes)} there; is this the right folder?"
             )
     return ModelSource(path=path, index=index, family=family)
+
+
+def _single_file_folder(path: Path, cache_dir, config_dir, prediction_type, say) -> Path:
+    """The diffusers folder materialized from a single-file checkpoint."""
+    from sdiree.runtime.fileutil import user_cache_dir
+
+    from .single_file import materialize  # it imports this module
+
+    cache = Path(cache_dir) if cache_dir else user_cache_dir() / path.stem / "single-file"
+    return materialize(path, cache, config_dir, prediction_type, say)
 
 
 def required_components(family: Family) -> tuple[str, ...]:
