@@ -3,7 +3,8 @@
 A family (SD 1.x, SD 2.x, ...) is data: how a diffusers folder of it is recognised (its
 model_index.json `_class_name`, its components' classes and config keys), the submodules
 compiled for it with their entry functions and where their shapes come from, its text-encoder
-recipe, the image sizes it takes and the pipeline the runtime drives. `detect` reads a folder's
+recipe, the image sizes it takes and the pipeline the runtime drives (or, for folders whose
+configs match a `pipeline_variants` entry, such as a 9-channel inpainting UNet, that one). `detect` reads a folder's
 index and configs (already parsed: this module touches no model file) and names its family, or
 refuses it in one line: a family sdiree does not compile, or parts from different families.
 Torch-free: compile uses it to refuse early, run to pick the pipeline of an artifact.
@@ -22,7 +23,10 @@ from .errors import UserError
 SCHEMA_VERSION = 1
 DEFAULT_FAMILY = "sd1"  # manifests written before families were recorded are all SD 1.x
 STATUSES = ("supported", "refused")
-PIPELINES = ("text2img",)  # the pipelines this runtime can drive (runtime/pipeline.py)
+# The pipelines this runtime can drive: "text2img" (runtime/pipeline.py) also runs img2img
+# (runtime/img2img.py) and inpainting with the ordinary UNet's latent blending; "inpaint"
+# (runtime/inpaint.py) is a dedicated inpainting UNet's (9 input channels).
+PIPELINES = ("text2img", "inpaint")
 FAMILY_FIELDS = {
     "label": str,
     "description": str,
@@ -37,6 +41,7 @@ FAMILY_FIELDS = {
     "shapes": dict,
     "text_encoders": list,
     "pipeline": str,
+    "pipeline_variants": dict,
 }
 SUPPORTED_NEEDS = ("submodules", "text_encoders", "pipeline", "size_multiple", "classes")
 TOP_FIELDS = {
@@ -65,6 +70,8 @@ class Family:
     shapes: dict | None = None  # {shape: "component.config_key"}
     text_encoders: tuple[dict, ...] = ()
     pipeline: str = ""
+    # {pipeline: {component: {config key: [values]}}}: folders matching it run that pipeline
+    pipeline_variants: dict | None = None
 
     @property
     def supported(self) -> bool:
@@ -90,6 +97,18 @@ class Families:
 
     def supported_names(self) -> str:
         return ", ".join(f.label for f in self.families.values() if f.supported)
+
+    def pipeline_for(self, fam: Family, configs: dict) -> str:
+        """The pipeline that runs a folder of family ``fam`` with these component configs: the
+        first of its ``pipeline_variants`` whose rules they all meet, else its ``pipeline``."""
+        for pipeline, rules in (fam.pipeline_variants or {}).items():
+            if all(
+                _value(self, comp, configs.get(comp) or {}, key) in allowed
+                for comp, keys in rules.items()
+                for key, allowed in keys.items()
+            ):
+                return pipeline
+        return fam.pipeline
 
     def detect(self, index: dict, configs: dict, where: str) -> Family:
         """The family of a folder from its model_index.json and component configs ({component:
@@ -131,6 +150,11 @@ def _check(data, path: Path) -> None:
                 raise _fail(path, f"families.{name} is supported but has no {missing[0]}")
             if f["pipeline"] not in PIPELINES:
                 raise _fail(path, f"families.{name}.pipeline names no pipeline ({PIPELINES})")
+            for variant in f.get("pipeline_variants", {}):
+                if variant not in PIPELINES:
+                    raise _fail(
+                        path, f"families.{name}.pipeline_variants names no pipeline ({PIPELINES})"
+                    )
         elif not f.get("refusal"):
             raise _fail(path, f"families.{name} is refused but gives no 'refusal' line")
 
@@ -170,6 +194,7 @@ def _load(path: Path) -> Families:
             shapes=f.get("shapes"),
             text_encoders=tuple(f.get("text_encoders", ())),
             pipeline=f.get("pipeline", ""),
+            pipeline_variants=f.get("pipeline_variants"),
         )
         for name, f in data["families"].items()
     }

@@ -11,7 +11,11 @@ stores it (a CLIPTextModel with gelu, its tokenizer padding with "!"), UNet tran
 linear projections, a head count per block and attention upcast, and SD 2.1's v-prediction
 DDIM scheduler config.
 
-    python tools/make_tiny_sd.py OUT_DIR [--family sd1|sd2] [--seed 0] [--size 64]
+`--inpaint` makes the family's inpainting model instead, as stable-diffusion-inpainting is laid
+out: a StableDiffusionInpaintPipeline folder whose UNet takes 9 input channels (latents, the
+mask, the masked image's latents) and still predicts 4.
+
+    python tools/make_tiny_sd.py OUT_DIR [--family sd1|sd2] [--inpaint] [--seed 0] [--size 64]
 """
 
 from __future__ import annotations
@@ -59,17 +63,21 @@ SCHEDULERS = {
     "sd1": ("PNDMScheduler", SD15_SCHEDULER_CONFIG),
     "sd2": ("DDIMScheduler", SD21_SCHEDULER_CONFIG),
 }
+# An inpainting UNet's input: 4 latent channels, 1 mask channel, 4 masked-image latent channels.
+INPAINT_CHANNELS = 9
 
 
 def save_sd_pipeline(
     out_dir: Path, *, vae, text_encoder, tokenizer, unet, family: str = "sd1"
 ) -> Path:
-    """Assemble a StableDiffusionPipeline with the family's real scheduler config and save it."""
+    """Assemble a StableDiffusionPipeline (StableDiffusionInpaintPipeline for a 9-channel UNet)
+    with the family's real scheduler config and save it."""
     import diffusers
-    from diffusers import StableDiffusionPipeline
+    from diffusers import StableDiffusionInpaintPipeline, StableDiffusionPipeline
 
     sched_class, sched_config = SCHEDULERS[family]
-    pipe = StableDiffusionPipeline(
+    inpaint = unet.config.in_channels == INPAINT_CHANNELS
+    pipe = (StableDiffusionInpaintPipeline if inpaint else StableDiffusionPipeline)(
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
@@ -87,10 +95,13 @@ def save_sd_pipeline(
     return Path(out_dir)
 
 
-def make_tiny_sd(out_dir: Path, seed: int = 0, size: int = 64, family: str = "sd1") -> Path:
-    """Build the tiny pipeline of a family (sd1, sd2) and save it to out_dir; returns out_dir."""
+def make_tiny_sd(
+    out_dir: Path, seed: int = 0, size: int = 64, family: str = "sd1", inpaint: bool = False
+) -> Path:
+    """Build the tiny pipeline of a family (sd1, sd2), or its inpainting model, and save it to
+    out_dir; returns out_dir."""
     if family == "sd2":
-        return make_tiny_sd2(out_dir, seed=seed, size=size)
+        return make_tiny_sd2(out_dir, seed=seed, size=size, inpaint=inpaint)
     import torch
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
@@ -118,7 +129,7 @@ def make_tiny_sd(out_dir: Path, seed: int = 0, size: int = 64, family: str = "sd
     )
     unet = UNet2DConditionModel(
         sample_size=size // 8,
-        in_channels=4,
+        in_channels=INPAINT_CHANNELS if inpaint else 4,
         out_channels=4,
         layers_per_block=1,
         block_out_channels=(32, 64),
@@ -151,7 +162,7 @@ def _tiny_vae(size: int):
     )
 
 
-def make_tiny_sd2(out_dir: Path, seed: int = 0, size: int = 64) -> Path:
+def make_tiny_sd2(out_dir: Path, seed: int = 0, size: int = 64, inpaint: bool = False) -> Path:
     """A tiny SD 2.1 (v-prediction): SD 2.1's architecture features at toy sizes."""
     import torch
     from diffusers import UNet2DConditionModel
@@ -184,7 +195,7 @@ def make_tiny_sd2(out_dir: Path, seed: int = 0, size: int = 64) -> Path:
     )
     unet = UNet2DConditionModel(
         sample_size=size // 8,
-        in_channels=4,
+        in_channels=INPAINT_CHANNELS if inpaint else 4,
         out_channels=4,
         layers_per_block=1,
         block_out_channels=(32, 64, 64),
@@ -211,12 +222,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--family", choices=tuple(SCHEDULERS), default="sd1")
+    parser.add_argument(
+        "--inpaint", action="store_true", help="the inpainting model (9-channel UNet)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--size", type=int, default=64, help="image height/width in pixels")
     args = parser.parse_args(argv)
-    make_tiny_sd(args.out_dir, seed=args.seed, size=args.size, family=args.family)
+    make_tiny_sd(
+        args.out_dir, seed=args.seed, size=args.size, family=args.family, inpaint=args.inpaint
+    )
     label = {"sd1": "SD 1.x", "sd2": "SD 2.x (v-prediction)"}[args.family]
-    print(f"wrote tiny {label} pipeline to {args.out_dir}")
+    kind = "inpainting pipeline" if args.inpaint else "pipeline"
+    print(f"wrote tiny {label} {kind} to {args.out_dir}")
     return 0
 
 

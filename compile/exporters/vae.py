@@ -1,8 +1,12 @@
-"""VAE exporters: decoder (latents → image) and encoder (image → latent mean).
+"""VAE exporters: decoder (latents → image) and encoder (image → the latent distribution's
+mean and standard deviation).
 
-Both apply the VAE scaling factor inside the module (decode divides by it, encode multiplies),
-so the runtime works with diffusion-space latents throughout; the manifest records that. The
-image is in [-1, 1], NCHW. Both modules take their weights from one "vae" parameter scope.
+Both apply the VAE scaling factor inside the module (decode divides by it, encode multiplies
+the mean and the std), so the runtime works with diffusion-space latents throughout; the
+manifest records that. The encoder returns the distribution rather than one latent so that the
+runtime samples it, mean + std * noise, with its own generator, as diffusers' img2img and
+inpainting pipelines do. The image is in [-1, 1], NCHW. Both modules take their weights from
+one "vae" parameter scope.
 """
 
 from __future__ import annotations
@@ -34,11 +38,12 @@ class VaeEncodeEntry(torch.nn.Module):
         self.scaling_factor = scaling_factor
 
     def forward(self, image):
-        return self.vae.encode(image, return_dict=False)[0].mean * self.scaling_factor
+        dist = self.vae.encode(image, return_dict=False)[0]
+        return dist.mean * self.scaling_factor, dist.std * self.scaling_factor
 
 
 def _plan(
-    vae, *, submodule, entry_cls, fname, in_name, out_name, batch, image_hw, dtype, attention, conv
+    vae, *, submodule, entry_cls, fname, in_name, out_names, batch, image_hw, dtype, attention, conv
 ):
     set_attention(vae, attention)
     derived = set_conv_lowering(vae, conv)
@@ -49,7 +54,7 @@ def _plan(
     f = 2 ** (len(vae.config.block_out_channels) - 1)
     latent = (batch, vae.config.latent_channels, h // f, w // f)
     image = (batch, vae.config.out_channels if fname == "decode" else vae.config.in_channels, h, w)
-    shapes = {"latents": latent, "latent_mean": latent, "image": image}
+    shapes = {"latents": latent, "latent_mean": latent, "latent_std": latent, "image": image}
 
     def entry(root, x):
         return root(x)
@@ -64,7 +69,7 @@ def _plan(
             FunctionSpec(
                 name=fname,
                 inputs=(TensorSpec(in_name, shapes[in_name], dt),),
-                outputs=(TensorSpec(out_name, shapes[out_name], dt),),
+                outputs=tuple(TensorSpec(name, shapes[name], dt) for name in out_names),
                 fn=entry,
             )
         ],
@@ -76,7 +81,7 @@ def _plan(
 def plan_vae_decoder(vae, *, batch, image_hw, dtype, attention, conv="native") -> ExportPlan:
     return _plan(
         vae, submodule="vae_decoder", entry_cls=VaeDecodeEntry, fname="decode",
-        in_name="latents", out_name="image",
+        in_name="latents", out_names=("image",),
         batch=batch, image_hw=image_hw, dtype=dtype, attention=attention, conv=conv,
     )  # fmt: skip
 
@@ -84,6 +89,6 @@ def plan_vae_decoder(vae, *, batch, image_hw, dtype, attention, conv="native") -
 def plan_vae_encoder(vae, *, batch, image_hw, dtype, attention, conv="native") -> ExportPlan:
     return _plan(
         vae, submodule="vae_encoder", entry_cls=VaeEncodeEntry, fname="encode",
-        in_name="image", out_name="latent_mean",
+        in_name="image", out_names=("latent_mean", "latent_std"),
         batch=batch, image_hw=image_hw, dtype=dtype, attention=attention, conv=conv,
     )  # fmt: skip

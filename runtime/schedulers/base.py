@@ -315,6 +315,9 @@ class Scheduler:
         for t in s.timesteps:
             eps = unet(s.scale_model_input(latents, t), t)
             latents = s.step(eps, t, latents, generator)
+
+    img2img starts from ``s.add_noise(image_latents, noise, timesteps[0])`` instead, with
+    ``timesteps = s.start_at_strength(steps, strength)``.
     """
 
     CLASS_NAME: ClassVar[str] = ""
@@ -350,6 +353,16 @@ class Scheduler:
     def set_timesteps(self, num_inference_steps: int) -> None:
         raise NotImplementedError
 
+    def start_at_strength(self, num_inference_steps: int, strength: float) -> np.ndarray:
+        """img2img's schedule, after set_timesteps(num_inference_steps): the last
+        ``int(num_inference_steps * strength)`` steps, as diffusers' ``get_timesteps`` keeps
+        them (its float product and truncation included); sets the begin index there and
+        returns the timesteps to run (empty when strength leaves no step)."""
+        n = int(num_inference_steps)
+        begin = max(n - min(int(n * strength), n), 0) * self.order
+        self.set_begin_index(begin)
+        return self.timesteps[begin:]
+
     def scale_model_input(self, sample: np.ndarray, timestep: Any) -> np.ndarray:
         return sample
 
@@ -361,6 +374,22 @@ class Scheduler:
         generator: NoiseGenerator | None = None,
     ) -> np.ndarray:
         raise NotImplementedError
+
+    def add_noise(self, original: np.ndarray, noise: np.ndarray, timestep: Any) -> np.ndarray:
+        """``original`` noised to the level of ``timestep`` (diffusers' ``add_noise``): img2img's
+        first latents, and inpainting's re-noised image latents after each step."""
+        raise NotImplementedError
+
+    def _noise_index(self, timestep: Any) -> int:
+        """The schedule position whose noise level add_noise uses, chosen as diffusers does: the
+        timestep looked up when no begin index was set; else the current step once stepping has
+        begun (inpainting calls it after step()), else the begin index (img2img, before)."""
+        if self._begin_index is None:
+            index = index_for_timestep(self.timesteps, timestep)
+            return self._missing_timestep_index(timestep) if index is None else index
+        if self._step_index is not None:
+            return self._step_index
+        return self._begin_index
 
     def _require_timesteps(self) -> None:
         if self.num_inference_steps is None:
@@ -447,6 +476,13 @@ class SigmaScheduler(Scheduler):
     def _predict_x0(self, model_output: np.ndarray, sample: np.ndarray, sigma: float) -> np.ndarray:
         return sigma_x0(self.config["prediction_type"], model_output, sample, sigma)
 
+    def add_noise(self, original: np.ndarray, noise: np.ndarray, timestep: Any) -> np.ndarray:
+        """x = x0 + sigma * noise, sigma in float32 as diffusers casts it to the latents' dtype."""
+        self._require_timesteps()
+        sigma = self.sigmas[self._noise_index(timestep)]
+        noise = np.asarray(noise, dtype=np.float32)
+        return (np.asarray(original, dtype=np.float32) + noise * sigma).astype(np.float32)
+
 
 class AlphaScheduler(Scheduler):
     """Base of the DDPM-parameterised samplers (DDIM, PNDM, LCM), which work on
@@ -477,3 +513,13 @@ class AlphaScheduler(Scheduler):
 
     def _alpha_prod(self, t: int) -> float:
         return float(self.alphas_cumprod[t]) if t >= 0 else self.final_alpha_cumprod
+
+    def add_noise(self, original: np.ndarray, noise: np.ndarray, timestep: Any) -> np.ndarray:
+        """x_t = sqrt(a_t) x0 + sqrt(1 - a_t) noise at the integer timestep, in float32 as
+        diffusers computes it."""
+        alpha = self.alphas_cumprod[int(timestep)]
+        root_alpha = np.sqrt(alpha)
+        root_beta = np.sqrt(np.float32(1.0) - alpha)
+        original = np.asarray(original, dtype=np.float32)
+        noise = np.asarray(noise, dtype=np.float32)
+        return (root_alpha * original + root_beta * noise).astype(np.float32)

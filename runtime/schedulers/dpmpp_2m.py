@@ -175,6 +175,17 @@ class DPMSolverMultistepScheduler(Scheduler):
             x0 = model_output
         return clip_x0(self.config, x0)
 
+    def add_noise(self, original: np.ndarray, noise: np.ndarray, timestep: Any) -> np.ndarray:
+        """alpha_t x0 + sigma_t noise at the step's sigma, in float32 as diffusers computes it."""
+        self._require_timesteps()
+        sigma = self.sigmas[self._noise_index(timestep)]
+        one = np.float32(1.0)
+        alpha_t = one / np.sqrt(sigma * sigma + one)
+        sigma_t = sigma * alpha_t
+        original = np.asarray(original, dtype=np.float32)
+        noise = np.asarray(noise, dtype=np.float32)
+        return (alpha_t * original + sigma_t * noise).astype(np.float32)
+
     def _missing_timestep_index(self, timestep: Any) -> int:
         # diffusers starts at the last step when the timestep is not in the schedule.
         return len(self.timesteps) - 1

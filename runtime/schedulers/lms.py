@@ -79,8 +79,10 @@ class LMSDiscreteScheduler(SigmaScheduler):
             self.derivatives.pop(0)
         order = min(i + 1, LMS_ORDER)
         prev_sample = sample
-        # derivatives[-1 - j] belongs to sigma_{i - j}.
-        for j in range(order):
+        # derivatives[-1 - j] belongs to sigma_{i - j}. A run started mid-schedule (img2img) has
+        # fewer derivatives than the order: diffusers then takes the order's first coefficients
+        # only, for the derivatives it has.
+        for j in range(min(order, len(self.derivatives))):
             prev_sample = prev_sample + self.lms_coefficient(order, i, j) * self.derivatives[-1 - j]
         self._step_index = i + 1
         return np.asarray(prev_sample, dtype=np.float32)
