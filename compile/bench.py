@@ -227,8 +227,11 @@ class SdireeSide:
         req = image_request(manifest, spec)
         x = dict(np.load(spec["inputs"]))
         call = self.session.call
+        te = [
+            x[f"text_encoder.{t.name}"] for t in self.session.decl("text_encoder", "encode").inputs
+        ]
         self.figures = {
-            "text_encoder": lambda: call("text_encoder", "encode", x["text_encoder.input_ids"]),
+            "text_encoder": lambda: call("text_encoder", "encode", *te),
             "unet": lambda: call(
                 "unet",
                 "denoise_cfg",
@@ -276,6 +279,7 @@ class TorchSide:
         import torch
         from diffusers.models.attention_processor import AttnProcessor2_0
 
+        from .exporters.text_encoder import TextEncoderEntry
         from .exporters.unet import UNetEntry
 
         self.torch = torch
@@ -310,9 +314,11 @@ class TorchSide:
             o = o.detach().cpu()
             return (o.float() if o.dtype == torch.bfloat16 else o).numpy()
 
+        te_call = TextEncoderEntry(pipe.text_encoder)  # on the token embeddings, as exported
+
         def text_encoder():
-            out = pipe.text_encoder(t("text_encoder.input_ids"), return_dict=True)
-            return [host(out.last_hidden_state), host(out.pooler_output)]
+            hidden, pooled = te_call(t("text_encoder.inputs_embeds"), t("text_encoder.eos_index"))
+            return [host(hidden), host(pooled)]
 
         unet_call = UNetEntry(pipe.unet)  # repeats the latents for both halves, as pipelines do
 
@@ -776,10 +782,10 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
         sched, diffusers_sched = "euler", "EulerDiscreteScheduler"
 
     work = Path(tempfile.mkdtemp(prefix="sdiree-bench-"))
-    inputs = {
-        "text_encoder.input_ids": make_inputs(manifest, "text_encoder", "encode", opts.seed)[0],
-        "vae_decode.latents": make_inputs(manifest, "vae_decoder", "decode", opts.seed)[0],
-    }
+    te = manifest.submodules["text_encoder"].functions["encode"].inputs
+    te_inputs = make_inputs(manifest, "text_encoder", "encode", opts.seed)
+    inputs = {f"text_encoder.{t.name}": a for t, a in zip(te, te_inputs, strict=True)}
+    inputs["vae_decode.latents"] = make_inputs(manifest, "vae_decoder", "decode", opts.seed)[0]
     sample, timestep, text = make_inputs(manifest, "unet", "denoise_cfg", opts.seed)
     inputs.update({"unet.sample": sample, "unet.timestep": timestep})
     inputs["unet.encoder_hidden_states"] = text

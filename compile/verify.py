@@ -66,6 +66,8 @@ def make_inputs(manifest: Manifest, submodule: str, function: str, seed: int) ->
             ids[:, 0] = 0  # bos-like first token
             ids[:, 12] = ids.max() + 1  # a distinct id to pool on
             out.append(ids)
+        elif t.name == "eos_index":
+            out.append(np.full(t.shape, 12, dtype=np.int64))  # the end token's position
         elif t.name == "timestep":
             out.append(np.array([500.0], dtype=np.float32))
         elif t.name == "image":

@@ -14,6 +14,12 @@ max_length=tokenizer.model_max_length, truncation=True)``. In transformers >= 5 
 4. byte-pair merges, lowest rank first (leftmost on ties), with ``</w>`` on a word's last symbol;
 5. ``<|startoftext|>`` + at most ``max_length - 2`` ids + ``<|endoftext|>``, then pad.
 
+``with_added`` gives a tokenizer that also knows texts added after loading, as
+``tokenizer.add_tokens(...)`` adds them (what diffusers' ``load_textual_inversion`` does): such a
+text is matched after normalisation (so case does not matter), anywhere in the prompt, longest
+first, and may stand for several ids (a multi-vector embedding's ``<t> <t>_1 ...``); one marked
+``single_word`` is matched only where no letter, digit or underscore touches it.
+
 ``legacy=True`` instead reproduces transformers 4.x's pure-Python ``CLIPTokenizer`` without ftfy
 (what diffusers used with transformers < 5): every special token cut out of the raw text, then
 BERT's BasicTokenizer clean-up (control characters dropped, other whitespace made a space,
@@ -27,6 +33,7 @@ Only the standard library, numpy and ``regex`` (for ``\\p{L}``-style classes) ar
 
 from __future__ import annotations
 
+import copy
 import heapq
 import json
 import unicodedata
@@ -38,7 +45,7 @@ import regex
 
 from .errors import UserError
 
-__all__ = ["ClipTokenizer", "TokenizedText"]
+__all__ = ["AddedText", "ClipTokenizer", "TokenizedText"]
 
 _EOW = "</w>"
 _DEFAULT_MAX_LENGTH = 77  # CLIP's text position embeddings
@@ -105,6 +112,16 @@ class TokenizedText:
 
 
 @dataclass(frozen=True)
+class AddedText:
+    """A text added to the vocabulary after loading: the ids it stands for (one or more, none
+    of them in the vocabulary) and whether it must stand alone as a word."""
+
+    content: str
+    ids: tuple[int, ...]
+    single_word: bool = False
+
+
+@dataclass(frozen=True)
 class _AddedToken:
     content: str
     id: int
@@ -157,8 +174,12 @@ class ClipTokenizer:
                     content, self._require(content, "added token"), normalized
                 )
         raw = [t for t in table.values() if legacy or not t.normalized]
-        self._raw_added = _TokenMatcher(raw)
-        self._normalized_added = _TokenMatcher([t for t in table.values() if t not in raw])
+        self._raw_specials = [(t.content, (t.id,), False) for t in raw]
+        self._normalized_specials = [
+            (t.content, (t.id,), False) for t in table.values() if t not in raw
+        ]
+        self._raw_added = _TokenMatcher(self._raw_specials)
+        self._normalized_added = _TokenMatcher(self._normalized_specials)
         self._bpe_cache: dict[str, list[int]] = {}
 
     def _require(self, token: str, what: str) -> int:
@@ -225,6 +246,39 @@ class ClipTokenizer:
         except UserError as e:
             raise UserError(f"{e} (in {path})") from None
 
+    def with_added(self, texts: list[AddedText]) -> ClipTokenizer:
+        """A copy of this tokenizer that also cuts ``texts`` out of prompts, as transformers'
+        ``add_tokens`` does (in legacy mode: matched in the raw text, case and all, as 4.x's
+        Python tokenizer did). ValueError for a text that is empty, repeats another or a special
+        token, or has an id inside the vocabulary."""
+        added = copy.copy(self)
+        seen = {
+            c if self.legacy else _normalize(c): c
+            for c, _, _ in self._raw_specials + self._normalized_specials
+        }
+        new = []
+        for t in texts:
+            content = t.content if self.legacy else _normalize(t.content)
+            if not content:
+                raise ValueError(f"added text {t.content!r} is empty")
+            if content in seen:
+                raise ValueError(f"added text {t.content!r} is the same as {seen[content]!r}")
+            if not t.ids or any(i < self.vocab_size for i in t.ids):
+                raise ValueError(f"added text {t.content!r}: ids {t.ids} not past the vocabulary")
+            seen[content] = t.content
+            new.append((content, tuple(t.ids), t.single_word))
+        if self.legacy:
+            added._raw_specials = self._raw_specials + new
+            added._raw_added = _TokenMatcher(added._raw_specials)
+        else:
+            added._normalized_specials = self._normalized_specials + new
+            added._normalized_added = _TokenMatcher(added._normalized_specials)
+        return added
+
+    def in_vocabulary(self, text: str) -> bool:
+        """Whether text is an entry of the vocabulary (as ``text in tokenizer.get_vocab()``)."""
+        return text in self._vocab
+
     @property
     def max_length(self) -> int:
         """Padded length of every encoding (the config's ``model_max_length``, 77 for SD)."""
@@ -252,7 +306,7 @@ class ClipTokenizer:
         ids: list[int] = []
         for segment, token in self._raw_added.split(text):
             if token is not None:
-                ids.append(token)
+                ids.extend(token)
             elif self.legacy:
                 for word in _LEGACY_PATTERN.findall(_legacy_normalize(segment)):
                     if word in _LEGACY_WHOLE:  # pre-seeded in transformers' BPE cache
@@ -267,7 +321,7 @@ class ClipTokenizer:
         ids: list[int] = []
         for piece, token in self._normalized_added.split(_normalize(segment)):
             if token is not None:
-                ids.append(token)
+                ids.extend(token)
                 continue
             for word in _CLIP_PATTERN.findall(piece):
                 # Only changes anything for a literal "<|endoftext|>"-like piece.
@@ -356,17 +410,22 @@ def _legacy_normalize(text: str) -> str:
 
 
 class _TokenMatcher:
-    """Splits text around whole added tokens, leftmost match first, longest on ties."""
+    """Splits text around whole added tokens, leftmost match first, longest on ties; a
+    single-word token counts only where no word character touches it."""
 
-    def __init__(self, tokens: list[_AddedToken]) -> None:
-        self._ids = {t.content: t.id for t in tokens}
+    def __init__(self, tokens: list[tuple[str, tuple[int, ...], bool]]) -> None:
+        self._ids = {content: ids for content, ids, _ in tokens}
+        alone = {content for content, _, single_word in tokens if single_word}
         ordered = sorted(self._ids, key=len, reverse=True)
-        self._pattern = regex.compile("|".join(map(regex.escape, ordered))) if ordered else None
+        alternatives = [
+            rf"(?<!\w){regex.escape(c)}(?!\w)" if c in alone else regex.escape(c) for c in ordered
+        ]
+        self._pattern = regex.compile("|".join(alternatives)) if ordered else None
 
-    def split(self, text: str) -> list[tuple[str, int | None]]:
+    def split(self, text: str) -> list[tuple[str, tuple[int, ...] | None]]:
         if self._pattern is None:
             return [(text, None)] if text else []
-        parts: list[tuple[str, int | None]] = []
+        parts: list[tuple[str, tuple[int, ...] | None]] = []
         start = 0
         for m in self._pattern.finditer(text):
             if m.start() > start:

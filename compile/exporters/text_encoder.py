@@ -1,8 +1,16 @@
-"""Text encoder exporter: token ids [B, 77] → last hidden state and pooled output.
+"""Text encoder exporter: token embeddings [B, L, D] and EOS positions [B] → last hidden state
+and pooled output.
 
-Works for CLIPTextModel (SD 1.x/2.x) and CLIPTextModelWithProjection (SDXL's second encoder,
-whose pooled output is the projected text_embeds). A second encoder is exported the same way
-under its own submodule name and scope.
+The module takes the token embeddings (the rows of the token-embedding table, before position
+embeddings are added) instead of token ids, so the runtime can append vectors of its own
+(textual-inversion embeddings) without a recompile: it looks the ids up in the table, which
+stays in the parameter archive under its state-dict name (`embeddings.token_embedding.weight`,
+`text_model.` before it in SDXL's second encoder) though the module no longer reads it. Position
+embeddings, the causal mask, the layers and the final norm stay inside, run by transformers' own
+forward. The pooled output is the final hidden state at `eos_index` (for SDXL's
+CLIPTextModelWithProjection, its projection: `text_embeds`), the position transformers pools
+for CLIP's ids: the first end-of-text token. A second encoder is exported the same way under
+its own submodule name and scope.
 """
 
 from __future__ import annotations
@@ -12,13 +20,49 @@ import torch
 from .base import ExportPlan, FunctionSpec, TensorSpec
 
 
+def clip_text_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module holding `embeddings` (transformers 5's CLIPTextModel itself, the
+    `text_model` of 4.x and of CLIPTextModelWithProjection)."""
+    return getattr(model, "text_model", model)
+
+
 class TextEncoderEntry(torch.nn.Module):
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
+        eos = int(model.config.eos_token_id)
+        if eos <= 0:
+            raise ValueError(f"text encoder eos_token_id {eos}: expected a positive id")
+        self.eos_token_id = eos
+        self._embeds: torch.Tensor | None = None
+        # Registered once, not per call: dynamo (strict export) cannot trace a registration.
+        clip_text_model(model).embeddings.register_forward_pre_hook(
+            self._give_embeds, with_kwargs=True
+        )
 
-    def forward(self, input_ids: torch.Tensor):
-        out = self.model(input_ids=input_ids, return_dict=True)
+    def _give_embeds(self, module, args, kwargs):
+        if self._embeds is None:  # the model called on its own: ids as usual
+            return None
+        if args:
+            raise RuntimeError("CLIP's embedding layer was called with positional arguments")
+        return (), {
+            "input_ids": None,
+            "position_ids": kwargs.get("position_ids"),
+            "inputs_embeds": self._embeds,
+        }
+
+    def forward(self, inputs_embeds: torch.Tensor, eos_index: torch.Tensor):
+        # transformers' CLIP forward takes only ids, and pools at the first `eos_token_id` (or,
+        # for configs with the old eos_token_id 2, at the largest id): ids that are 0 except
+        # eos_token_id at eos_index make both rules pick eos_index. The embeddings reach its
+        # embedding layer in place of the ids, so its own mask, layers, norm and pooling run.
+        positions = torch.arange(inputs_embeds.shape[1], device=eos_index.device)
+        pool_ids = (positions[None, :] == eos_index[:, None]).long() * self.eos_token_id
+        self._embeds = inputs_embeds
+        try:
+            out = self.model(input_ids=pool_ids, return_dict=True)
+        finally:
+            self._embeds = None
         pooled = out.text_embeds if hasattr(out, "text_embeds") else out.pooler_output
         return out.last_hidden_state, pooled
 
@@ -45,8 +89,8 @@ def plan_text_encoder(
         else hidden
     )
 
-    def encode(root, input_ids):
-        return root(input_ids)
+    def encode(root, inputs_embeds, eos_index):
+        return root(inputs_embeds, eos_index)
 
     return ExportPlan(
         submodule=submodule,
@@ -56,7 +100,10 @@ def plan_text_encoder(
         functions=[
             FunctionSpec(
                 name="encode",
-                inputs=(TensorSpec("input_ids", (batch, max_length), "int64"),),
+                inputs=(
+                    TensorSpec("inputs_embeds", (batch, max_length, hidden), dt),
+                    TensorSpec("eos_index", (batch,), "int64"),
+                ),
                 outputs=(
                     TensorSpec("last_hidden_state", (batch, max_length, hidden), dt),
                     TensorSpec("pooled_output", (batch, pooled_dim), dt),

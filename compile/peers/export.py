@@ -30,12 +30,12 @@ import numpy as np
 
 from sdiree.runtime.fileutil import pid_alive
 
-REVISION = 1  # bump when the exported graphs change: a new cache folder
+REVISION = 2  # bump when the exported graphs change: a new cache folder
 OPSET = 17
 SUBMODULES = ("text_encoder", "unet", "vae_decoder")
 # (submodule, function) -> the bench's input arrays, in call order
 CALLS = {
-    ("text_encoder", "encode"): ("text_encoder.input_ids",),
+    ("text_encoder", "encode"): ("text_encoder.inputs_embeds", "text_encoder.eos_index"),
     ("unet", "denoise_cfg"): ("unet.sample", "unet.timestep", "unet.encoder_hidden_states"),
     ("vae_decoder", "decode"): ("vae_decode.latents",),
 }
