@@ -100,6 +100,8 @@ class Builder:
                 "submodule": submodule,
                 "dtype": p.export_dtype,
                 "shape": [p.batch_size, p.height, p.width],
+                # the VAE is exported at its tile size where it tiles
+                **({"vae_tile": p.vae_tile} if submodule.startswith("vae") and p.vae_tiled else {}),
                 "export": self.export_options(submodule),
                 "exporter_revision": EXPORTER_REVISION,
                 "versions": self.versions,

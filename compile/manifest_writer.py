@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sdiree.runtime.families import load_families
 from sdiree.runtime.fileutil import sha256_file
 from sdiree.runtime.manifest import SCHEMA_VERSION
 
@@ -30,6 +31,15 @@ def _text_encoder_entry(plan, recipe: dict) -> dict:
         "tokenizer": recipe["tokenizer"],
         "pooled": recipe["pooled"],
     }
+
+
+def _source_file(model_dir: Path) -> dict:
+    from .single_file import source_info
+
+    info = source_info(model_dir)
+    if info is None:
+        return {}
+    return {"file": {k: info[k] for k in ("file", "sha256", "format") if k in info}}
 
 
 def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict) -> dict:
@@ -81,9 +91,11 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
             "name": plan.model.name,
             "source": str(plan.model.path.resolve()),
             "family": family.name,
-            "pipeline": family.pipeline,
+            "pipeline": load_families().pipeline_for(family, plan.configs),
             "pipeline_class": plan.model.index.get("_class_name"),
             "content_hash": builder.model_hash,
+            # the single-file checkpoint it was converted from: its sha256 is A1111's hash
+            **_source_file(plan.model.path),
         },
         "target": {
             "name": plan.target.name,
@@ -98,7 +110,8 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
             "height": plan.height,
             "width": plan.width,
             "batch_size": plan.batch_size,
-            "latent_channels": plan.configs["unet"]["in_channels"],
+            # the UNet's out_channels: an inpainting UNet takes 9 in (latents, mask, image)
+            "latent_channels": plan.configs["vae"].get("latent_channels", 4),
             "latent_height": plan.latent_hw[0],
             "latent_width": plan.latent_hw[1],
             "vae_scale_factor": plan.vae_factor,
@@ -106,7 +119,8 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
         "vae_scaling": {
             "factor": vae_cfg.get("scaling_factor", 0.18215),
             "applied_by": "module",
-            "note": "vae_decoder divides latents by the factor; vae_encoder multiplies the mean",
+            "note": "vae_decoder divides latents by the factor; vae_encoder multiplies the "
+            "mean and std",
         },
         "text_encoders": [_text_encoder_entry(plan, te) for te in family.text_encoders],
         "scheduler": {

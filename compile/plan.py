@@ -16,6 +16,7 @@ from pathlib import Path
 from sdiree.runtime.errors import UserError
 from sdiree.runtime.fileutil import sha256_file, user_cache_dir
 from sdiree.runtime.targets import Registry, Target, load_registry
+from sdiree.runtime.vae_tiling import check_tile, tile_shapes
 
 from . import arch_select
 from .model_source import ModelSource, open_model
@@ -42,6 +43,13 @@ class CompileOptions:
     specs_dir: Path | None = None
     artifacts_root: Path = Path("artifacts")
     submodules: tuple[str, ...] = SUBMODULES
+    # Side in px of the VAE's tiles (`--vae-tile`): None, the VAE config's sample_size (as
+    # diffusers' enable_tiling); 0, never tile.
+    vae_tile: int | None = None
+    # A single-file checkpoint's configs (`--config`: a diffusers folder of its architecture;
+    # None: the shipped preset of its family) and prediction type (`--prediction-type`).
+    config_dir: Path | None = None
+    prediction_type: str | None = None
 
 
 @dataclass
@@ -61,6 +69,21 @@ class Plan:
     submodules: tuple[str, ...]
     configs: dict = field(default_factory=dict)
     explicit_out: bool = True  # --out given: the cache is the user's, not out's parent
+    vae_tile: int = 0  # px; 0: the VAE modules take the whole image
+
+    @property
+    def vae_tiled(self) -> bool:
+        """The image is larger than a VAE tile: the VAE modules are compiled for tiles."""
+        return bool(self.vae_tile) and max(self.height, self.width) > self.vae_tile
+
+    def vae_image_shapes(self) -> list[tuple[int, int]]:
+        """The image sizes (px) the VAE modules take, the main one first: the whole image, or
+        under tiling every tile shape diffusers' tiling of this image makes (edge tiles are
+        shorter, and are decoded at their own size, so the tiled result is diffusers')."""
+        if not self.vae_tiled:
+            return [(self.height, self.width)]
+        f = self.vae_factor
+        return [(h * f, w * f) for h, w in tile_shapes(self.latent_hw, self.vae_tile // f)]
 
     @property
     def family(self):
@@ -87,7 +110,13 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
     """Check every input and fix every choice; raises UserError, writes nothing."""
     registry = load_registry(opts.specs_dir)
     target = registry.target(opts.target)
-    model = open_model(opts.model_dir)  # its family detected, or refused, here
+    model = open_model(  # its family detected, or refused, here
+        opts.model_dir,
+        cache_dir=model_cache(opts, Path(opts.model_dir).stem) / "single-file",
+        config_dir=opts.config_dir,
+        prediction_type=opts.prediction_type,
+        say=reporter.say,
+    )
     family = model.family
     configs = {c: model.config(c) for c in ("unet", "vae", "text_encoder", "scheduler")}
     prediction = configs["scheduler"].get("prediction_type", "epsilon")
@@ -133,9 +162,10 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
             )
     if opts.batch_size < 1:
         raise UserError(f"--batch-size {opts.batch_size} must be at least 1")
+    vae_tile = _vae_tile(opts.vae_tile, configs["vae"], vae_factor, reporter)
 
     if opts.out is None:
-        shared = Path(opts.artifacts_root).absolute() / model.name
+        shared = model_cache(opts, model.name)
         out = shared / f"{target.name}-{arch}-{dtype}-{height}x{width}-b{opts.batch_size}"
     else:
         out = Path(opts.out).absolute()
@@ -161,7 +191,32 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
         submodules=tuple(opts.submodules),
         configs=configs,
         explicit_out=opts.out is not None,
+        vae_tile=vae_tile,
     )
+
+
+def _vae_tile(asked: int | None, vae_cfg: dict, vae_factor: int, reporter: Reporter) -> int:
+    """The VAE tile side in px: --vae-tile, else the VAE's sample_size, which is diffusers'
+    tile; 0 where none applies."""
+    if asked is not None:
+        if asked:
+            check_tile(asked, vae_factor)
+        return asked
+    side = vae_cfg.get("sample_size") or 0
+    side = side[0] if isinstance(side, list | tuple) else int(side)
+    if side < 4 * vae_factor or side % (4 * vae_factor):
+        reporter.say(f"note: the VAE's sample_size {side} is no tile size: it decodes whole")
+        return 0
+    return side
+
+
+def model_cache(opts: CompileOptions, name: str) -> Path:
+    """The compile cache of the model named name: `artifacts/<name>/` for the default --out,
+    `$SDIREE_CACHE/<name>/` for an explicit one (a single file's converted folder goes there
+    too, before the model is opened)."""
+    if opts.out is None:
+        return Path(opts.artifacts_root).absolute() / name
+    return user_cache_dir() / name
 
 
 def _check_not_in_model(out: Path, model_dir: Path) -> None:

@@ -97,6 +97,9 @@ def cmd_compile(a: argparse.Namespace) -> None:
         batch_size=a.batch_size,
         out=a.out,
         specs_dir=a.specs,
+        vae_tile=a.vae_tile,
+        config_dir=a.config,
+        prediction_type=a.prediction_type,
     )
     _call_compile_side("compile", compile_model, options)
 
@@ -134,6 +137,16 @@ def cmd_run(a: argparse.Namespace) -> None:
         output=a.output,
         overwrite=a.overwrite,
         force_device=a.force_device,
+        vae_tiling=a.vae_tiling,
+        weights=a.weights,
+        vae=a.vae,
+        loras=a.lora,
+        lora_dir=a.lora_dir,
+        embeddings=a.embedding,
+        init_image=a.init_image,
+        mask=a.mask,
+        strength=a.strength,
+        resize=a.resize,
     )
 
 
@@ -171,7 +184,8 @@ def _target_options(p: argparse.ArgumentParser) -> None:
         "model_dir",
         metavar="MODEL_DIR",
         type=Path,
-        help="diffusers model folder (holds model_index.json)",
+        help="diffusers model folder (holds model_index.json), or a single-file "
+        ".safetensors/.ckpt checkpoint",
     )
     p.add_argument("--target", "-t", required=True, help="cpu, vulkan-spirv, rocm or cuda")
     p.add_argument("--arch", help="chip preset of the target (see specs/)")
@@ -199,9 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(
         sub,
         "compile",
-        help="compile a diffusers SD 1.x model (needs the compile extra)",
-        description="Compile a diffusers SD 1.x model into IREE modules, parameters and a "
-        "manifest. Needs the compile extra: " + INSTALL_HINT,
+        help="compile an SD 1.x/2.x model (needs the compile extra)",
+        description="Compile an SD 1.x/2.x model (a diffusers folder, or a single-file "
+        ".safetensors/.ckpt checkpoint) into IREE modules, parameters and a manifest. Needs "
+        "the compile extra: " + INSTALL_HINT,
     )
     _target_options(p)
     p.add_argument(
@@ -210,6 +225,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", "-o", type=Path, metavar="DIR", help="artifact directory")
     p.add_argument(
         "--specs", type=Path, metavar="DIR", help="another specs directory (tuning work)"
+    )
+    p.add_argument(
+        "--vae-tile",
+        type=int,
+        metavar="PX",
+        help="VAE tile side for images larger than it, a multiple of 32 (default: the VAE's "
+        "sample_size, 512 for SD 1.5; 0: never tile)",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        metavar="DIR",
+        help="for a single-file checkpoint: a diffusers folder of its architecture whose "
+        "configs, tokenizer and scheduler to use (default: the shipped ones of its family)",
+    )
+    p.add_argument(
+        "--prediction-type",
+        choices=("epsilon", "v_prediction", "sample"),
+        help="for a single-file checkpoint: what its UNet predicts (default: epsilon; SD 2.x: "
+        "v_prediction at 768, as diffusers; epsilon picks SD 2.x-base's 512 config)",
     )
     p.set_defaults(func=cmd_compile)
 
@@ -258,6 +293,67 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--overwrite", action="store_true", help="replace existing files")
     p.add_argument("--force-device", action="store_true", help="skip the arch check")
+    p.add_argument(
+        "--vae-tiling",
+        metavar="MODE",
+        default="auto",
+        help="auto: decode in tiles where the artifact's VAE was compiled for them (sdiree "
+        "compile --vae-tile); on: the same, asked outright; off: refuse a tiled artifact",
+    )
+    p.add_argument(
+        "--weights",
+        type=Path,
+        metavar="FILE",
+        help="another checkpoint of the artifact's architecture (a fine-tune: .safetensors, "
+        ".ckpt, or a diffusers folder), loaded instead of the compiled weights",
+    )
+    p.add_argument(
+        "--vae", type=Path, metavar="FILE", help="another VAE (.safetensors; original or diffusers)"
+    )
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="FILE[:X]",
+        help="merge a LoRA (kohya, PEFT, LoHa, LoKr) at strength X (1.0); repeatable; also "
+        "<lora:NAME:X> in the prompt, found in --lora-dir",
+    )
+    p.add_argument(
+        "--lora-dir", type=Path, metavar="DIR", help="where <lora:NAME> prompt tags are found"
+    )
+    p.add_argument(
+        "--embedding",
+        action="append",
+        default=[],
+        metavar="FILE[:TOKEN]",
+        help="a textual-inversion embedding (A1111 .pt/.safetensors: called in the prompt by "
+        "the file's name as a word or as <name>; diffusers learned_embeds: by the token it "
+        "holds), or called by TOKEN; repeatable",
+    )
+    p.add_argument(
+        "--init-image",
+        type=Path,
+        metavar="IMAGE",
+        help="img2img: start from this image (PNG; JPEG, WebP... with Pillow installed)",
+    )
+    p.add_argument(
+        "--mask",
+        type=Path,
+        metavar="IMAGE",
+        help="inpaint: repaint the init image where this image is white (>= 128), keep the rest",
+    )
+    p.add_argument(
+        "--strength",
+        type=float,
+        metavar="X",
+        help="how much of the schedule repaints the init image, in (0, 1] (img2img 0.8, inpaint 1)",
+    )
+    p.add_argument(
+        "--resize",
+        choices=("crop", "fit", "stretch"),
+        help="bring an init image of another size to the artifact's: crop (cover, cut the "
+        "middle), fit (fit inside, repeat the edges), stretch (default: refuse)",
+    )
     p.set_defaults(func=cmd_run)
 
     p = _command(

@@ -19,7 +19,9 @@ from pathlib import Path
 
 from . import schedulers
 from .device_select import choose_device
+from .embeddings import load_embeddings, ti_hashes
 from .errors import UserError
+from .image_input import load_edit_images
 from .image_output import (
     a1111_parameters,
     check_image,
@@ -30,8 +32,10 @@ from .image_output import (
     to_uint8,
 )
 from .manifest import HASH_CACHE, Manifest, check_files, load_manifest
-from .pipeline import GenerationRequest, Text2Image, resolve_request
+from .pipeline import GenerationRequest, pipeline_class, resolve_request
 from .session import with_fresh_device_on_loss
+from .text_inputs import TextInputs
+from .weights.sources import LoraRequest, build_overrides, parse_lora_option
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 RANDOM_SEED = -1  # as in A1111 and every SD tool
@@ -73,15 +77,17 @@ def check_text(option: str, text: str) -> None:
 def model_hash(manifest: Manifest) -> str | None:
     """The "Model hash" of the PNG parameters: 10 hex digits, or None when unknown.
 
-    A1111 writes the first 10 hex digits of the checkpoint file's sha256 ("AutoV2"). A diffusers
-    folder has no single checkpoint file, so this is the first 10 of the model's content hash
-    from the manifest (sha256 over every config and weight file of the folder): the same model
-    folder always gives the same hash, but it differs from the AutoV2 hash of a .safetensors
-    checkpoint holding the same weights.
+    A1111 writes the first 10 hex digits of the checkpoint file's sha256 ("AutoV2"): so does
+    sdiree for a model compiled from a single file (the manifest's `model.file.sha256`). A
+    diffusers folder has no single checkpoint file, so then it is the first 10 of the model's
+    content hash (sha256 over every config and weight file of the folder): the same folder
+    always gives the same hash, but not the AutoV2 hash of a file holding the same weights.
     """
-    digest = manifest.data.get("model", {}).get("content_hash") or manifest.data.get(
-        "build", {}
-    ).get("model_hash")
+    model = manifest.data.get("model", {})
+    file_sha = model.get("file", {}).get("sha256") if isinstance(model.get("file"), dict) else None
+    digest = (
+        file_sha or model.get("content_hash") or manifest.data.get("build", {}).get("model_hash")
+    )
     return digest[:10] if isinstance(digest, str) and digest else None
 
 
@@ -95,6 +101,21 @@ def sampler_and_schedule(scheduler: str) -> tuple[str, str | None]:
     if label.endswith(" Karras"):
         return label.removesuffix(" Karras"), "Karras"
     return label, None
+
+
+def lora_requests_of(
+    prompt: str, options: list[str], lora_dir: Path | None
+) -> tuple[str, list[LoraRequest]]:
+    """The prompt without its <lora:NAME:X> tags, and every LoRA to merge: --lora options
+    first, then the prompt's tags (found in lora_dir)."""
+    from .lora import extract_prompt_loras, resolve_lora_name
+
+    requests = [parse_lora_option(o) for o in options]
+    clean, tags = extract_prompt_loras(prompt)
+    for tag in tags:
+        path = resolve_lora_name(tag.name, lora_dir, tag.tag)
+        requests.append(LoraRequest(path, tag.strength, te_strength=tag.te_strength))
+    return clean, requests
 
 
 def generate_to_files(
@@ -113,11 +134,27 @@ def generate_to_files(
     output: Path = Path("sdiree.png"),
     overwrite: bool = False,
     force_device: bool = False,
+    init_image: Path | None = None,
+    mask: Path | None = None,
+    strength: float | None = None,
+    resize: str | None = None,
+    weights: Path | None = None,
+    vae: Path | None = None,
+    loras: list[str] | None = None,
+    lora_dir: Path | None = None,
+    embeddings: list[str] | None = None,
+    vae_tiling: str = "auto",
 ) -> list[Path]:
     check_text("--prompt", prompt)
     check_text("--negative-prompt", negative_prompt)
+    embedding_files = load_embeddings(embeddings or [])
+    written_prompt = prompt  # as the user wrote it, LoRA tags included (as A1111 keeps it)
+    prompt, lora_requests = lora_requests_of(prompt, loras or [], lora_dir)
     seed = resolve_seed(seed, num_images)
     manifest = load_manifest(artifact_dir)
+    edit = load_edit_images(
+        init_image, mask, manifest.image["width"], manifest.image["height"], resize
+    )
     req = resolve_request(
         manifest,
         GenerationRequest(
@@ -130,12 +167,31 @@ def generate_to_files(
             num_images=num_images,
             width=width,
             height=height,
+            init_image=edit.image if edit else None,
+            mask=edit.mask if edit else None,
+            strength=strength,
+            vae_tiling=vae_tiling,
         ),
     )
     paths = output_paths(Path(output), num_images)
     check_output_paths(paths, overwrite)
     info, why = choose_device(manifest, device, force=force_device)
     check_files(manifest, Path(artifact_dir) / HASH_CACHE)
+    overrides, provenance, weight_warnings = build_overrides(manifest, weights, vae, lora_requests)
+    for w in weight_warnings:
+        say(f"warning: {w}")
+    if provenance.model:
+        say(f"weights: {weights} (instead of the compiled ones)")
+    if provenance.vae:
+        say(f"VAE: {vae}")
+    for req_lora in lora_requests:
+        say(f"LoRA: {req_lora.path} at {req_lora.strength:g}")
+    text_inputs = TextInputs.for_artifact(
+        manifest, embedding_files, replaced=overrides.tensors.get("text_encoder")
+    )
+    for e in embedding_files:
+        words = " or ".join(w for w, _ in e.words)
+        say(f"embedding: {e.path} ({len(e.vectors)} vector(s)) as {words}")
 
     say(f"device: {info.label} ({info.name}); {why}")
     seeds = [req.seed + i for i in range(req.num_images)]
@@ -144,13 +200,20 @@ def generate_to_files(
         f"{shown}, {req.scheduler} {req.steps} steps, guidance {req.guidance_scale}, "
         f"{req.width}x{req.height}, {manifest.target}/{manifest.arch}/{manifest.dtype}"
     )
+    if edit:
+        what = f"inpainting with --mask {mask}" if edit.mask is not None else "img2img"
+        say(f"{what} from {init_image}, strength {req.strength}")
+        for note in edit.notes:
+            say(note)
     req = dataclasses.replace(req, per_image_seeds=True)
+    pipeline = pipeline_class(req)
     result = with_fresh_device_on_loss(
         manifest,
         info,
-        Text2Image.SUBMODULES,
-        lambda session: Text2Image(manifest, session).generate(req),
+        pipeline.SUBMODULES,
+        lambda session: pipeline(manifest, session, text_inputs).generate(req),
         warn=lambda msg: say(f"warning: {msg}"),
+        overrides=overrides or None,
     )
     for w in result.warnings:
         say(f"warning: {w}")
@@ -159,7 +222,7 @@ def generate_to_files(
     sampler, schedule = sampler_and_schedule(req.scheduler)
     for path, image, s in zip(paths, to_uint8(images), seeds, strict=True):
         params = a1111_parameters(
-            prompt=req.prompt,
+            prompt=written_prompt,
             negative_prompt=req.negative_prompt,
             steps=req.steps,
             sampler=sampler,
@@ -168,9 +231,16 @@ def generate_to_files(
             seed=s,
             width=req.width,
             height=req.height,
-            model_hash=model_hash(manifest),
-            model=manifest.data["model"]["name"],
-            extra={"Target": manifest.target, "Arch": manifest.arch, "Dtype": manifest.dtype},
+            model_hash=provenance.model_hash or model_hash(manifest),
+            model=provenance.model or manifest.data["model"]["name"],
+            extra={
+                **provenance.png_fields(),
+                "Denoising strength": req.strength,  # None (left out) for text-to-image
+                "TI hashes": ti_hashes(result.embeddings),  # None (left out) when none used
+                "Target": manifest.target,
+                "Arch": manifest.arch,
+                "Dtype": manifest.dtype,
+            },
         )
         remove_stale_temps_for(path)
         save_png(path, image, params, overwrite)

@@ -3,10 +3,15 @@
 Mirrors diffusers' StableDiffusionPipeline step for step (same tokenization, same initial
 latents from the same seed, classifier-free guidance with the negative prompt as the
 unconditional text, same scheduler arithmetic), so a fixed seed gives the image diffusers gives.
+Text2Image is also the frame of img2img (runtime/img2img.py) and inpainting
+(runtime/inpaint.py): they change where the loop starts (``_initial_latents``), what the UNet
+is given (``_unet_input``) and what follows each step (``_after_step``); ``pipeline_class``
+picks the one a request needs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -16,12 +21,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import schedulers
+from .embeddings import Embedding
 from .errors import UserError
 from .families import PIPELINES
 from .manifest import Manifest
 from .rng import PerImageGenerators, TorchCPUGenerator
+from .schedulers import Scheduler
 from .session import Session
-from .tokenizer import ClipTokenizer
+from .text_inputs import TextInputs
+from .vae_tiling import check_decode, decode_latents
 
 
 @dataclass
@@ -39,6 +47,19 @@ class GenerationRequest:
     per_image_seeds: bool = False
     width: int | None = None
     height: int | None = None
+    # img2img and inpainting (runtime/image_input.py reads them at the artifact's size)
+    init_image: np.ndarray | None = None  # HxWx3 uint8 RGB
+    mask: np.ndarray | None = None  # HxW uint8 gray: >= 128 (0.5) is repainted, the rest kept
+    strength: float | None = None  # default: DEFAULT_STRENGTH of the pipeline
+    vae_tiling: str = "auto"  # `sdiree run --vae-tiling`: auto, on or off
+
+    @property
+    def edits(self) -> bool:
+        return self.init_image is not None
+
+
+# diffusers' defaults: StableDiffusionImg2ImgPipeline 0.8, StableDiffusionInpaintPipeline 1.0.
+DEFAULT_STRENGTH = {"img2img": 0.8, "inpaint": 1.0}
 
 
 @dataclass
@@ -47,11 +68,13 @@ class Timings:
     steps: list[float] = field(default_factory=list)
     decode: float = 0.0
     total: float = 0.0
+    encode: float = 0.0  # the VAE encoder's, for img2img and inpainting
 
     def summary(self) -> str:
         per_step = sum(self.steps) / len(self.steps) if self.steps else 0.0
+        encode = f"image encoding {self.encode:.2f}s, " if self.encode else ""
         return (
-            f"text encoding {self.text_encoding:.2f}s, {per_step:.3f}s/step over "
+            f"text encoding {self.text_encoding:.2f}s, {encode}{per_step:.3f}s/step over "
             f"{len(self.steps)} steps, decode {self.decode:.2f}s, total {self.total:.2f}s"
         )
 
@@ -63,6 +86,7 @@ class GenerationResult:
     steps: int
     timings: Timings
     warnings: list[str]
+    embeddings: list[Embedding] = field(default_factory=list)  # those the prompts called
 
 
 def scheduler_config(manifest: Manifest) -> dict:
@@ -105,18 +129,81 @@ def resolve_request(manifest: Manifest, req: GenerationRequest) -> GenerationReq
                 f"--{label} {asked}: this artifact was compiled for {img['width']}x"
                 f"{img['height']}; recompile with --{label} {asked} or leave it out"
             )
-    return GenerationRequest(
-        prompt=req.prompt,
-        negative_prompt=req.negative_prompt,
+    check_decode(manifest, mode=req.vae_tiling)
+    return dataclasses.replace(
+        req,
         steps=steps,
-        guidance_scale=req.guidance_scale,
         scheduler=name,
-        seed=req.seed,
-        num_images=req.num_images,
-        per_image_seeds=req.per_image_seeds,
         width=img["width"],
         height=img["height"],
+        strength=resolve_edit(manifest, req, steps),
     )
+
+
+def resolve_edit(manifest: Manifest, req: GenerationRequest, steps: int) -> float | None:
+    """The strength of an img2img or inpainting request (None for text-to-image), after
+    refusing what the artifact or the request cannot do."""
+    inpaint_model = manifest.pipeline == "inpaint"
+    if req.mask is not None and not req.edits:
+        raise UserError("--mask needs --init-image: the image whose masked part is repainted")
+    if inpaint_model and req.mask is None:
+        raise UserError(
+            f"{manifest.root} holds an inpainting model (its UNet takes a mask and an image): "
+            "give --init-image and --mask"
+        )
+    if not req.edits:
+        if req.strength is not None:
+            raise UserError("--strength applies to --init-image; leave it out or give an image")
+        return None
+    kind = "img2img" if req.mask is None else "inpaint"
+    strength = DEFAULT_STRENGTH[kind] if req.strength is None else float(req.strength)
+    if not (math.isfinite(strength) and 0.0 < strength <= 1.0):
+        raise UserError(
+            f"--strength {req.strength}: give a number above 0 and at most 1 (how much of the "
+            "schedule repaints the image: 1 starts from pure noise)"
+        )
+    if min(int(steps * strength), steps) < 1:
+        raise UserError(
+            f"--strength {strength} with {steps} steps leaves no step to run (it runs the last "
+            f"int(steps * strength) of them); raise --strength or --steps"
+        )
+    encoder = manifest.submodules.get("vae_encoder")
+    outputs = (
+        encoder.functions["encode"].outputs if encoder and "encode" in encoder.functions else ()
+    )
+    if len(outputs) < 2:
+        raise UserError(
+            f"{manifest.root} was compiled by an older sdiree: its VAE encoder gives the latent "
+            "mean only, not the distribution img2img samples; recompile it with `sdiree compile`"
+        )
+    img = manifest.image
+    for what, pixels, want in (
+        ("--init-image", req.init_image, (img["height"], img["width"], 3)),
+        ("--mask", req.mask, (img["height"], img["width"])),
+    ):
+        if pixels is not None and tuple(pixels.shape) != want:
+            raise UserError(f"{what} has shape {pixels.shape}, not the artifact's {want}")
+    return strength
+
+
+def pipeline_class(req: GenerationRequest) -> type[Text2Image]:
+    """The pipeline that runs a resolved request: Text2Image, Image2Image or Inpaint."""
+    if not req.edits:
+        return Text2Image
+    if req.mask is None:
+        from .img2img import Image2Image
+
+        return Image2Image
+    from .inpaint import Inpaint
+
+    return Inpaint
+
+
+def make_generator(req: GenerationRequest):
+    """The run's noise source: one generator per image seeded seed + i, or one for all."""
+    if req.per_image_seeds:
+        return PerImageGenerators([(req.seed + i) % 2**64 for i in range(req.num_images)])
+    return TorchCPUGenerator(req.seed)
 
 
 def make_scheduler(name: str, config: dict) -> schedulers.Scheduler:
@@ -170,11 +257,12 @@ def progress_bar(done: int, total: int, elapsed: float, stream=sys.stderr) -> No
 class Text2Image:
     SUBMODULES = ("text_encoder", "unet", "vae_decoder")
 
-    def __init__(self, manifest: Manifest, session: Session):
+    def __init__(self, manifest: Manifest, session: Session, text_inputs: TextInputs | None = None):
         self.manifest = manifest
         self.session = session
-        te = manifest.data["text_encoders"][0]
-        self.tokenizer = ClipTokenizer.from_dir(manifest.path(te["tokenizer"]))
+        self.text_inputs = text_inputs or TextInputs.for_artifact(manifest)
+        self.tokenizer = self.text_inputs.tokenizer
+        self.used_embeddings: dict[str, Embedding] = {}
         self.batch = manifest.image["batch_size"]
         unet = manifest.submodules["unet"].functions
         self.dtype = np.dtype(unet["denoise"].inputs[0].dtype)
@@ -182,14 +270,16 @@ class Text2Image:
         self.cfg_repeats = unet["denoise_cfg"].inputs[0].shape[0] // self.batch
 
     def encode_text(self, text: str, warnings: list[str]) -> np.ndarray:
-        tok = self.tokenizer.encode(text)
-        if tok.num_truncated:
+        enc = self.text_inputs.encode(text)
+        if enc.num_truncated:
             warnings.append(
-                f"the prompt is too long for the text encoder: {tok.num_truncated} token(s) "
+                f"the prompt is too long for the text encoder: {enc.num_truncated} token(s) "
                 f"past {self.tokenizer.max_length} were dropped"
             )
-        ids = np.repeat(tok.ids[None, :].astype(np.int64), self.batch, axis=0)
-        hidden, _pooled = self.session.call("text_encoder", "encode", ids)
+        for e in enc.used:
+            self.used_embeddings.setdefault(e.name, e)
+        args = self.text_inputs.arguments(enc)
+        hidden, _pooled = self.session.call("text_encoder", "encode", *args)
         return hidden
 
     def generate(
@@ -200,7 +290,7 @@ class Text2Image:
         t_start = time.perf_counter()
         timings = Timings()
         warnings: list[str] = []
-        img = self.manifest.image
+        self.used_embeddings = {}
         cfg = req.guidance_scale > 1.0
 
         t0 = time.perf_counter()
@@ -208,56 +298,79 @@ class Text2Image:
         uncond = self.encode_text(req.negative_prompt, []) if cfg else None
         timings.text_encoding = time.perf_counter() - t0
 
-        if req.per_image_seeds:
-            generator = PerImageGenerators([(req.seed + i) % 2**64 for i in range(req.num_images)])
-        else:
-            generator = TorchCPUGenerator(req.seed)
-        shape = (req.num_images, img["latent_channels"], img["latent_height"], img["latent_width"])
-        # One draw for all images, as diffusers draws them; the scheduler then steps all images
-        # at once (its ancestral noise is one draw per step too, per image with per-image seeds)
-        # and only the UNet runs in chunks of the compiled batch.
+        generator = make_generator(req)
+        sched = schedulers.create(req.scheduler, scheduler_config(self.manifest))
+        sched.set_timesteps(req.steps)
+        # All images' latents at once, as diffusers draws them; the scheduler then steps all
+        # images together (its ancestral noise is one draw per step too, per image with
+        # per-image seeds) and only the UNet runs in chunks of the compiled batch.
+        latents, timesteps = self._initial_latents(req, sched, generator, timings, warnings)
         latents = self._denoise(
-            generator.randn(shape), cond, uncond, req, generator, timings, progress
+            latents, timesteps, sched, cond, uncond, req, generator, timings, progress
         )
 
         t0 = time.perf_counter()
-        images = []
-        for start in range(0, latents.shape[0], self.batch):
-            part = latents[start : start + self.batch]
-            n = part.shape[0]
-            if n < self.batch:
-                part = np.concatenate(
-                    [part, np.zeros((self.batch - n, *part.shape[1:]), part.dtype)]
-                )
-            (image,) = self.session.call("vae_decoder", "decode", part.astype(self.dtype))
-            images.append(image[:n].astype(np.float32))
+        images = decode_latents(
+            self.session, latents, self.batch, self.dtype, manifest=self.manifest,
+            mode=req.vae_tiling,
+        )  # fmt: skip
         timings.decode = time.perf_counter() - t0
         timings.total = time.perf_counter() - t_start
-        return GenerationResult(np.concatenate(images), req.scheduler, req.steps, timings, warnings)
+        return GenerationResult(
+            images,
+            req.scheduler,
+            req.steps,
+            timings,
+            warnings,
+            list(self.used_embeddings.values()),
+        )
 
-    def _denoise(self, latents, cond, uncond, req, generator, timings, progress):
-        sched = schedulers.create(req.scheduler, scheduler_config(self.manifest))
-        sched.set_timesteps(req.steps)
+    def _initial_latents(
+        self,
+        req: GenerationRequest,
+        sched: Scheduler,
+        generator,
+        timings: Timings,
+        warnings: list[str],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The latents the loop starts from and the timesteps it runs: noise at the
+        scheduler's initial sigma, over the whole schedule."""
+        img = self.manifest.image
+        shape = (req.num_images, img["latent_channels"], img["latent_height"], img["latent_width"])
+        latents = generator.randn(shape)
         sched.set_begin_index(0)
-        latents = (latents * np.float32(sched.init_noise_sigma)).astype(np.float32)
+        return (latents * np.float32(sched.init_noise_sigma)).astype(np.float32), sched.timesteps
+
+    def _unet_input(self, x: np.ndarray, start: int) -> np.ndarray:
+        """What the UNet is given for images start.. of the scaled latents chunk ``x``."""
+        return x
+
+    def _after_step(self, latents: np.ndarray, i: int, timesteps, sched: Scheduler) -> np.ndarray:
+        """The latents after step i (of ``timesteps``); inpainting blends the kept part here."""
+        return latents
+
+    def _denoise(self, latents, timesteps, sched, cond, uncond, req, generator, timings, progress):
         guided = uncond is not None
         text = np.concatenate([uncond, cond]) if guided else cond
         scale = np.float32(req.guidance_scale) if guided else None
         loop_start = time.perf_counter()
-        for i, t in enumerate(sched.timesteps):
+        for i, t in enumerate(timesteps):
             t0 = time.perf_counter()
             x = sched.scale_model_input(latents, t).astype(self.dtype)
             tstep = np.array([t], dtype=np.float32)
             eps = np.concatenate(
                 [
-                    self._noise_pred(x[start : start + self.batch], tstep, text, scale)
+                    self._noise_pred(
+                        self._unet_input(x[start : start + self.batch], start), tstep, text, scale
+                    )
                     for start in range(0, x.shape[0], self.batch)
                 ]
             )
             latents = sched.step(eps, t, latents, generator=generator).astype(np.float32)
+            latents = self._after_step(latents, i, timesteps, sched)
             timings.steps.append(time.perf_counter() - t0)
             if progress:
-                progress(i + 1, len(sched.timesteps), time.perf_counter() - loop_start)
+                progress(i + 1, len(timesteps), time.perf_counter() - loop_start)
         return latents
 
     def _noise_pred(self, x, tstep, text, scale):

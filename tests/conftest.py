@@ -46,6 +46,15 @@ def tiny_sd2_model(tmp_path_factory) -> Path:
     return make_tiny_sd(tmp_path_factory.mktemp("models") / "tiny-sd2", seed=0, family="sd2")
 
 
+@pytest.fixture(scope="session")
+def tiny_inpaint_model(tmp_path_factory) -> Path:
+    """A tiny SD 1.x inpainting model (StableDiffusionInpaintPipeline, 9-channel UNet), 64x64."""
+    pytest.importorskip("torch")
+    from make_tiny_sd import make_tiny_sd
+
+    return make_tiny_sd(tmp_path_factory.mktemp("models") / "tiny-sd-inpaint", seed=0, inpaint=True)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache(tmp_path_factory) -> Path:
     """$SDIREE_CACHE for the session: where compiles with --out keep what artifacts share."""
@@ -179,5 +188,13 @@ def compiled_sd2(tiny_sd2_model, artifacts_root):
     """The tiny SD 2.x model's artifacts, compiled on first use (no background queue: its
     tests need few of them)."""
     artifacts = CompiledArtifacts(tiny_sd2_model, artifacts_root)
+    yield artifacts
+    artifacts.stop_ahead()
+
+
+@pytest.fixture(scope="session")
+def compiled_inpaint(tiny_inpaint_model, artifacts_root):
+    """The tiny inpainting model's artifacts, compiled on first use."""
+    artifacts = CompiledArtifacts(tiny_inpaint_model, artifacts_root)
     yield artifacts
     artifacts.stop_ahead()

@@ -6,13 +6,18 @@ compile; `scope_for` names the parameter scope (the VAE's two halves share one).
 
 from __future__ import annotations
 
+import dataclasses
+
 # Bump when an exporter traces a different graph for the same model and choices (it is part of
 # the MLIR cache key). 2: Winograd weights computed at export, as parameters of their own;
 # 3: Winograd transforms with fewer traced ops; 4: GroupNorm in float32 for half precision, and
 # the `pointwise_einsum` conv choice; 5: chunked attention as 2-D matmuls per head; 6: `denoise_cfg`
 # takes the latents once, and the UNet's layers before the text enters run once for both halves;
-# 7: under `sdpa`, layers with `upcast_attention` (SD 2.x) attend in fp32.
-EXPORTER_REVISION = 7
+# 7: under `sdpa`, layers with `upcast_attention` (SD 2.x) attend in fp32; 8: the VAE encoder
+# returns the latent std beside the mean, so img2img and inpainting sample as diffusers does;
+# 9: the text encoder takes token embeddings and the end-of-text positions instead of ids
+# (textual-inversion embeddings at run time, runtime/text_inputs.py).
+EXPORTER_REVISION = 9
 
 SCOPES = {
     "text_encoder": "text_encoder",
@@ -71,11 +76,17 @@ def plan_for(builder, submodule: str):
     if "winograd4_min_side" in options:
         raise ValueError(f"export option winograd4_min_side applies to the unet, not {submodule}")
     vae_plan = plan_vae_decoder if submodule == "vae_decoder" else plan_vae_encoder
-    return vae_plan(
-        model,
-        batch=p.batch_size,
-        image_hw=(p.height, p.width),
-        dtype=dtype,
-        attention=attention,
-        conv=conv,
-    )
+    # The whole image, or one entry function per tile shape (compile/plan.py); the main
+    # function keeps its name, the others are named for their input's height and width.
+    plans = [
+        vae_plan(
+            model, batch=p.batch_size, image_hw=hw, dtype=dtype, attention=attention, conv=conv
+        )
+        for hw in p.vae_image_shapes()
+    ]
+    main = plans[0]
+    for extra in plans[1:]:
+        (fn,) = extra.functions
+        h, w = fn.inputs[0].shape[-2:]
+        main.functions.append(dataclasses.replace(fn, name=f"{fn.name}_{h}x{w}"))
+    return main

@@ -14,10 +14,12 @@ VAE), else written to a temp file that is unlinked as soon as it is mapped (LoRA
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +32,9 @@ from .archive import Archive
 from .winograd import base_key, winograd_weight
 
 ENCODED_CACHE = "encoded"  # under the user cache: <key>/<submodule>.encoded.irpa
+# Sets of encoded weights kept there, the most recently used first: each is as large as the
+# artifact's own encoded archives (~12 GB for SD 1.5 on cpu).
+KEEP_ENV, KEEP_DEFAULT = "SDIREE_ENCODED_KEEP", 2
 
 
 @dataclass
@@ -133,9 +138,11 @@ class LoadedWeights:
         for archive in originals:
             for key, e in archive.entries.items():
                 base = base_key(key)
+                if key in derived:
+                    continue  # computed below (an archive of them may be there too)
                 if key in replaced:
                     _add_array(index, key, replaced[key], keep)
-                elif base is not None and (base in replaced) and key not in derived:
+                elif base is not None and base in replaced:
                     _add_array(index, key, winograd_weight(weight(base), e.shape[0]), keep)
                 elif e.splat is not None:
                     index.add_splat(key, np.frombuffer(e.splat, np.uint8).copy(), e.length)
@@ -158,21 +165,23 @@ class LoadedWeights:
         by the artifact's kept encoder (or taken from the cache)."""
         import iree.runtime as rt
 
-        from .encoder import run_encoder
-
         m = self.manifest
         sub = m.submodules[name]
         enc = sub.encoder
-        encoder_sha = m.data["files"][enc.vmfb]
         cache_dir = user_cache_dir() / ENCODED_CACHE
         cached = None
         if self.overrides.digest:
-            key = sha256_json({"encoder": encoder_sha, "weights": self.overrides.digest})[:24]
+            # one folder per artifact (its encoders) and set of weights, for all its submodules
+            encoders = {
+                n: m.data["files"][s.encoder.vmfb] for n, s in m.submodules.items() if s.encoder
+            }
+            key = sha256_json({"encoders": encoders, "weights": self.overrides.digest})[:24]
             cached = cache_dir / key / f"{name}.encoded.irpa"
         index = rt.ParameterIndex()
         if cached is not None and cached.is_file():
             self.report(f"{name}: encoded weights from the cache ({cached.parent})")
             index.load(str(cached))
+            os.utime(cached.parent)  # recently used: pruned last
             return index
         own = [(m.path(p), s) for p, s in sub.archives() if s == sub.scope]
         keep: list = []  # the encoder's inputs (derived weights too): freed once it ran
@@ -186,24 +195,65 @@ class LoadedWeights:
         )
         t0 = time.perf_counter()
         if cached is not None:
+            _prune(cache_dir, keep=cached.parent)
+        with _disk_full_is_user_error(where.parent, name):
+            self._encode(name, enc, source, sub.scope, cached, where, index, device)
+        self.report(f"{name}: encoded in {time.perf_counter() - t0:.1f}s")
+        return index
+
+    def _encode(self, name, enc, source, scope, cached, where, index, device) -> None:
+        from .encoder import run_encoder
+
+        m = self.manifest
+        if cached is not None:
             run_encoder(
-                m.path(enc.vmfb), [source.create_provider(scope=sub.scope)], enc.scope, cached,
-                device,
-            )  # fmt: skip
+                m.path(enc.vmfb), [source.create_provider(scope=scope)], enc.scope, cached, device
+            )
             index.load(str(cached))
         else:
             tmp = temp_path_for(where)
             try:
                 run_encoder(
-                    m.path(enc.vmfb), [source.create_provider(scope=sub.scope)], enc.scope, tmp,
-                    device,
-                )  # fmt: skip
+                    m.path(enc.vmfb), [source.create_provider(scope=scope)], enc.scope, tmp, device
+                )
                 index.load(str(tmp))  # mapped: the file can go now, its pages stay ours
             finally:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
-        self.report(f"{name}: encoded in {time.perf_counter() - t0:.1f}s")
-        return index
+
+
+def _prune(cache_dir: Path, keep: Path) -> None:
+    """Remove the least recently used sets of encoded weights beyond $SDIREE_ENCODED_KEEP
+    (2), counting the one about to be written (`keep`)."""
+    try:
+        limit = max(1, int(os.environ.get(KEEP_ENV, KEEP_DEFAULT)))
+    except ValueError:
+        limit = KEEP_DEFAULT
+    sets = sorted(
+        (d for d in cache_dir.iterdir() if d.is_dir() and d != keep),
+        key=lambda d: d.stat().st_mtime,
+        reverse=True,
+    )
+    for d in sets[limit - 1 :]:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _disk_full_is_user_error(where: Path, name: str) -> Iterator[None]:
+    """iree's archive writer reports a full disk as a RuntimeError: one line instead."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        text = str(e)
+        if isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        if isinstance(e, RuntimeError) and "disk space" not in text and "No space" not in text:
+            raise
+        free = shutil.disk_usage(where).free / 2**30
+        raise UserError(
+            f"no space left in {where} ({free:.1f} GiB free) for {name}'s encoded weights; free "
+            "space there or set SDIREE_CACHE elsewhere"
+        ) from None
 
 
 def _add_array(index, key: str, array: np.ndarray, keep: list) -> None:

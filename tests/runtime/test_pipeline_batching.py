@@ -107,7 +107,16 @@ def fake_manifest(root, batch: int) -> Manifest:
         "text_encoders": [{"tokenizer": "tokenizer"}],
         "scheduler": {"config": "scheduler/scheduler_config.json"},
     }
-    return Manifest(root, data, {"unet": SubmoduleDecl("unet", "unet.vmfb", None, None, unet)})
+    ids = TensorDecl("input_ids", (batch, 77), "int64")  # a text encoder that takes ids
+    encode = {"encode": FunctionDecl("encode", (ids,), ())}
+    return Manifest(
+        root,
+        data,
+        {
+            "unet": SubmoduleDecl("unet", "unet.vmfb", None, None, unet),
+            "text_encoder": SubmoduleDecl("text_encoder", "te.vmfb", None, None, encode),
+        },
+    )
 
 
 def generate(root, batch: int, seed_offset: int = 0, **request) -> tuple[np.ndarray, FakeSession]:

@@ -98,6 +98,6 @@ def test_loading_opens_no_artifact_file_for_writing(cpu_art, tmp_path, monkeypat
     monkeypatch.setattr(os, "open", guarded_os_open)
     manifest = load_manifest(art)
     s = session.Session(manifest, list_devices("local-task")[0], list(manifest.submodules))
-    (ids,) = [np.zeros(d.shape, d.dtype) for d in s.decl("text_encoder", "encode").inputs]
-    assert all(np.isfinite(o).all() for o in s.call("text_encoder", "encode", ids))
+    args = [np.zeros(d.shape, d.dtype) for d in s.decl("text_encoder", "encode").inputs]
+    assert all(np.isfinite(o).all() for o in s.call("text_encoder", "encode", *args))
     assert writes == []

@@ -82,8 +82,8 @@ def test_a_loss_while_loading_is_retried_inside_the_session(cpu_art, monkeypatch
     manifest, info = load_manifest(cpu_art), list_devices("local-task")[0]
     s = session.Session(manifest, info, iter(["text_encoder"]))
     assert len(made) == 2 and s.context is not None
-    (ids,) = [np.zeros(d.shape, d.dtype) for d in s.decl("text_encoder", "encode").inputs]
-    assert all(np.isfinite(o).all() for o in s.call("text_encoder", "encode", ids))
+    args = [np.zeros(d.shape, d.dtype) for d in s.decl("text_encoder", "encode").inputs]
+    assert all(np.isfinite(o).all() for o in s.call("text_encoder", "encode", *args))
     made.clear()
     monkeypatch.setattr(rt, "VmContext", lambda *a, **k: flaky(*a, failures=2, **k))
     with pytest.raises(RuntimeError, match="DATA_LOSS"):

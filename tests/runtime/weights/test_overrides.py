@@ -76,6 +76,10 @@ def test_other_weights_change_the_image_and_are_encoded_once(
     again = _generate(art, other)
     assert "from the cache" in capsys.readouterr().err
     np.testing.assert_array_equal(again, first)
+    # a third set of weights pushes the least recently used one out (2 sets are kept)
+    for scale in (1.03, 1.04):
+        _generate(art, WeightOverrides(_own_weights(art, scale=scale), digest=f"scaled-{scale}"))
+    assert len([d for d in (tmp_path / "cache" / "encoded").iterdir() if d.is_dir()]) == 2
 
 
 def test_only_the_replaced_scope_is_reencoded(compiled, monkeypatch, tmp_path, capsys):
