@@ -20,6 +20,8 @@ from .errors import UserError
 USAGE_EXIT = 2
 # The compile extra's modules, as imported (importlib.util.find_spec names).
 COMPILE_MODULES = ("torch", "iree.turbine", "iree.compiler", "diffusers", "transformers")
+# ... and as installed (their distribution names, whose versions compile records).
+COMPILE_DISTRIBUTIONS = ("torch", "iree-turbine", "iree-base-compiler", "diffusers", "transformers")
 INSTALL_HINT = "pip install 'sdiree[compile]' (from a source checkout: pip install -e '.[compile]')"
 
 
@@ -67,6 +69,15 @@ def _import_compile_side(command: str, module: str, names: tuple[str, ...]):
     missing = _missing_compile_modules()
     if missing:
         raise UserError(compile_extra_hint(command, "missing: " + ", ".join(missing)))
+    # A package that imports but has no metadata (a broken install) fails later, inside a
+    # library's own import checks (transformers asks for torch's version), with their words.
+    from importlib.metadata import version
+
+    try:
+        for dist in COMPILE_DISTRIBUTIONS:
+            version(dist)
+    except PackageNotFoundError as e:
+        raise UserError(compile_extra_hint(command, f"no package metadata for {e}")) from None
     try:
         mod = importlib.import_module(f"sdiree.compile.{module}")
     except (ImportError, PackageNotFoundError) as e:
