@@ -45,6 +45,7 @@ from sdiree.runtime.fileutil import (
     sha256_file,
     sha256_json,
 )
+from sdiree.runtime.tokenizer import _BYTE_CHARS
 
 from .model_source import check_config, read_json_object
 
@@ -271,26 +272,9 @@ def _checked(components: dict, expected: dict, where: str, config_name: str) -> 
 def clip_vocab(merges: list[str]) -> dict[str, int]:
     """CLIP's vocabulary from its BPE merges: the 256 byte characters, the same with `</w>`, one
     token per merge, then the start and end tokens."""
-    chars = list(_bytes_to_unicode().values())
+    chars = list(_BYTE_CHARS.values())  # the byte alphabet, in CLIP order
     tokens = chars + [c + EOW for c in chars] + [m.replace(" ", "") for m in merges] + [BOS, EOS]
     return {t: i for i, t in enumerate(tokens)}
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """CLIP/GPT-2's reversible map of the 256 bytes to printable characters."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
 def write_clip_tokenizer(out: Path, config_src: Path) -> None:
