@@ -49,6 +49,7 @@ from sdiree.runtime.fileutil import (
     temp_path_for,
 )
 from sdiree.runtime.manifest import HASH_CACHE, MANIFEST_NAME, check_files, load_manifest
+from sdiree.runtime.weights.sources import file_sha256
 
 from .exporters import EXPORTER_REVISION
 from .manifest_writer import build_manifest
@@ -83,6 +84,7 @@ class Builder:
         self.r = reporter
         self.versions = _versions()
         self.model_hash = ""
+        self.vae_sha256 = ""  # of --vae's file
         self._torch_models: dict = {}
         self._plans: dict = {}
         # sha256 of the artifact's files by name, trusted while their stamp holds (HASH_CACHE)
@@ -133,7 +135,10 @@ class Builder:
     def torch_model(self, component: str):
         if component not in self._torch_models:
             with self.r.stage("load", component):
-                self._torch_models[component] = self.plan.model.load(component)
+                model = self.plan.model.load(component)
+                if component == "vae" and self.plan.vae_file is not None:
+                    _replace_vae(model, self.plan.vae_file)
+                self._torch_models[component] = model
         return self._torch_models[component]
 
     def export_plan(self, submodule: str):
@@ -391,6 +396,18 @@ class Builder:
         }
 
 
+def _replace_vae(model, path: Path) -> None:
+    """Load --vae's weights into the model's VAE, every tensor checked by key and shape."""
+    import numpy as np
+    import torch
+
+    from sdiree.runtime.weights.sources import match_component, read_vae_file
+
+    targets = {k: (tuple(v.shape), np.dtype(np.float32)) for k, v in model.state_dict().items()}
+    given = match_component("vae", read_vae_file(path), targets, f"--vae {path}")
+    model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in given.items()})
+
+
 def _encoder_intact(b: Builder, encoded: dict | None) -> bool:
     """The kept encoder of an encoded build is in place (builds before it was kept: rebuild)."""
     if not encoded:
@@ -413,6 +430,9 @@ def _build(plan: Plan, r: Reporter) -> Path:
     plan.shared.mkdir(parents=True, exist_ok=True)
     with r.stage("hash", "model"):
         b.model_hash = plan.model.content_hash(plan.shared / ".model-hashes.json")
+        if plan.vae_file is not None:  # another VAE: other archives, exports and artifacts
+            b.vae_sha256 = file_sha256(plan.vae_file)
+            b.model_hash = sha256_json({"model": b.model_hash, "vae": b.vae_sha256})
 
     plan.out.mkdir(parents=True, exist_ok=True)
     for d in b.written_dirs():

@@ -96,6 +96,12 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
             "content_hash": builder.model_hash,
             # the single-file checkpoint it was converted from: its sha256 is A1111's hash
             **_source_file(plan.model.path),
+            # --vae: the VAE file compiled in, for the PNG's "VAE" and "VAE hash"
+            **(
+                {"vae": {"file": plan.vae_file.name, "sha256": builder.vae_sha256}}
+                if plan.vae_file is not None
+                else {}
+            ),
         },
         "target": {
             "name": plan.target.name,

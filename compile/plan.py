@@ -50,6 +50,8 @@ class CompileOptions:
     # None: the shipped preset of its family) and prediction type (`--prediction-type`).
     config_dir: Path | None = None
     prediction_type: str | None = None
+    # Another VAE's weights compiled in (`--vae FILE`: original or diffusers layout).
+    vae: Path | None = None
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Plan:
     configs: dict = field(default_factory=dict)
     explicit_out: bool = True  # --out given: the cache is the user's, not out's parent
     vae_tile: int = 0  # px; 0: the VAE modules take the whole image
+    vae_file: Path | None = None  # --vae: its weights replace the model's VAE's
 
     @property
     def vae_tiled(self) -> bool:
@@ -192,7 +195,21 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
         configs=configs,
         explicit_out=opts.out is not None,
         vae_tile=vae_tile,
+        vae_file=_vae_file(opts.vae),
     )
+
+
+def _vae_file(path: Path | None) -> Path | None:
+    """--vae, checked to hold VAE weights before anything is written (shapes are checked
+    against the model's VAE when it is loaded)."""
+    if path is None:
+        return None
+    from sdiree.runtime.weights.sources import read_vae_file
+
+    if not Path(path).is_file():
+        raise UserError(f"--vae {path} does not exist")
+    read_vae_file(Path(path))
+    return Path(path)
 
 
 def _vae_tile(asked: int | None, vae_cfg: dict, vae_factor: int, reporter: Reporter) -> int:

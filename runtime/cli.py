@@ -111,6 +111,7 @@ def cmd_compile(a: argparse.Namespace) -> None:
         vae_tile=a.vae_tile,
         config_dir=a.config,
         prediction_type=a.prediction_type,
+        vae=a.vae,
     )
     _call_compile_side("compile", compile_model, options)
 
@@ -250,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="for a single-file checkpoint: a diffusers folder of its architecture whose "
         "configs, tokenizer and scheduler to use (default: the shipped ones of its family)",
+    )
+    p.add_argument(
+        "--vae",
+        type=Path,
+        metavar="FILE",
+        help="compile another VAE's weights in (.safetensors: original or diffusers layout)",
     )
     p.add_argument(
         "--prediction-type",

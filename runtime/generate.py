@@ -184,6 +184,9 @@ def generate_to_files(
         say(f"weights: {weights} (instead of the compiled ones)")
     if provenance.vae:
         say(f"VAE: {vae}")
+    elif isinstance(compiled_vae := manifest.data["model"].get("vae"), dict):
+        provenance.vae = compiled_vae.get("file")  # compiled in with `sdiree compile --vae`
+        provenance.vae_hash = str(compiled_vae.get("sha256", ""))[:10]
     for req_lora in lora_requests:
         say(f"LoRA: {req_lora.path} at {req_lora.strength:g}")
     text_inputs = TextInputs.for_artifact(
