@@ -49,18 +49,23 @@ def _image(art, out, **kw):
     return np.asarray(img.convert("RGB")), img.text["parameters"]
 
 
-def test_compiled_in_vae_equals_the_run_time_one(compiled, tiny_model, vae_file, tmp_path):
+def test_compiled_in_vae_equals_the_run_time_one(
+    compiled, tiny_model, vae_file, tmp_path, monkeypatch
+):
     from sdiree.compile.driver import CompileOptions, compile_model
     from sdiree.compile.report import Reporter
 
+    plain_art = compiled.get("cpu", "host", "fp32")
+    # a compile cache of its own: the session's is copied and checked file by file elsewhere
+    monkeypatch.setenv("SDIREE_CACHE", str(tmp_path / "cache"))
     art = tmp_path / "with-vae"
     compile_model(
         CompileOptions(model_dir=tiny_model, target="cpu", dtype="fp32", out=art, vae=vae_file),
         Reporter(stream=io.StringIO()),
     )
     ours, params = _image(art, tmp_path / "a.png")
-    at_run, _ = _image(compiled.get("cpu", "host", "fp32"), tmp_path / "b.png", vae=vae_file)
-    plain, _ = _image(compiled.get("cpu", "host", "fp32"), tmp_path / "c.png")
+    at_run, _ = _image(plain_art, tmp_path / "b.png", vae=vae_file)
+    plain, _ = _image(plain_art, tmp_path / "c.png")
     assert psnr(ours, at_run) >= 60.0
     assert psnr(ours, plain) < 40.0
     sha = hashlib.sha256(vae_file.read_bytes()).hexdigest()
