@@ -14,12 +14,12 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_cli_errors import assert_clean_failure, run_compile  # the compile CLI's helpers
 
 from sdiree.compile.single_file import (
     SOURCE_FILE,
@@ -333,23 +333,6 @@ def test_sd2_preset_follows_the_prediction_type(tiny_sd2_model, single_files, tm
     base = write_single_file(tiny_sd2_model, tmp_path / "base.ckpt", global_step=875000)
     with pytest.raises(UserError, match="sdiree's sd21-base config expects"):
         materialize(base, cache)
-
-
-def run_compile(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "sdiree.runtime.cli", "compile", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def assert_clean_failure(proc, must_say: str):
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr + proc.stdout
-    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("error: ") and must_say in lines[0], lines[0]
 
 
 class Evil:
