@@ -86,6 +86,7 @@ class Builder:
         self.model_hash = ""
         self.vae_sha256 = ""  # of --vae's file
         self._torch_models: dict = {}
+        self._sources: dict = {}  # component -> WeightSource
         self._plans: dict = {}
         # sha256 of the artifact's files by name, trusted while their stamp holds (HASH_CACHE)
         self.verified = read_json_dict(plan.out / HASH_CACHE)
@@ -133,20 +134,36 @@ class Builder:
 
     # -- torch side, loaded only when something must be exported -------------------------
     def torch_model(self, component: str):
+        """The component's model with placeholder parameters (compile/placeholders.py): the
+        export needs only their shapes, and the archives read the weights from the model's
+        files one at a time (`weight_source`), so no stage holds them all."""
         if component not in self._torch_models:
+            from .placeholders import replace_parameters
+            from .weight_source import WeightSource
+
             with self.r.stage("load", component):
                 model = self.plan.model.load(component)
+                folder = self.plan.model.path / component
                 if component == "vae" and self.plan.vae_file is not None:
                     _replace_vae(model, self.plan.vae_file)
+                    folder = None  # the weights are --vae's, in memory
+                self._sources[component] = WeightSource.capture(model, folder)
+                replace_parameters(model)
                 self._torch_models[component] = model
         return self._torch_models[component]
+
+    def weight_source(self, component: str):
+        self.torch_model(component)
+        return self._sources[component]
 
     def export_plan(self, submodule: str):
         if submodule in self._plans:
             return self._plans[submodule]
         from .exporters import plan_for
+        from .placeholders import casts_stay_placeholders
 
-        self._plans[submodule] = plan_for(self, submodule)
+        with casts_stay_placeholders():
+            self._plans[submodule] = plan_for(self, submodule)
         return self._plans[submodule]
 
     def release_torch(self, submodule: str, later: tuple[str, ...]) -> None:
@@ -160,6 +177,7 @@ class Builder:
         component = COMPONENTS[submodule]
         if all(COMPONENTS[s] != component for s in later):
             self._torch_models.pop(component, None)
+            self._sources.pop(component, None)
             gc.collect()
 
     # -- stages ------------------------------------------------------------------------
@@ -237,6 +255,7 @@ class Builder:
 
     def ensure_params(self, submodule: str) -> list[tuple[Path, str]]:
         """Write whichever of submodule's archives are missing or damaged; [(path, sha256)]."""
+        from .exporters import COMPONENTS
         from .exporters.base import save_parameters
 
         out = []
@@ -251,7 +270,12 @@ class Builder:
             with self.r.stage("parameters", path.stem):
                 with atomic_path(path) as tmp:
                     try:
-                        save_parameters(xplan.params_module, tmp, derived=i > 0)
+                        save_parameters(
+                            xplan.params_module,
+                            tmp,
+                            derived=i > 0,
+                            source=self.weight_source(COMPONENTS[submodule]),
+                        )
                     except RuntimeError as e:
                         if _DISK_FULL.search(str(e)):
                             raise OSError(errno.ENOSPC, str(e), str(path)) from None

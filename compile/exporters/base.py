@@ -92,15 +92,38 @@ def export_to_mlir(plan: ExportPlan, mlir_path: Path, strict: bool = False) -> N
     output.save_mlir(mlir_path)
 
 
-def save_parameters(module: torch.nn.Module, path: Path, derived: bool = False) -> None:
+def save_parameters(
+    module: torch.nn.Module, path: Path, derived: bool = False, source=None
+) -> None:
     """Write module's parameters and persistent buffers to an .irpa archive at path: the
-    model's own ones, or (derived=True) only those computed at export."""
-    from iree.turbine.aot import ParameterArchiveBuilder
+    model's own ones, or (derived=True) only those computed at export.
 
+    With source (compile/weight_source.py: where the loaded weights lie), a placeholder
+    parameter (compile/placeholders.py) is read from it, one tensor at a time, and a derived one
+    computed from it; without, every tensor is the module's own."""
+    from ..archive_writer import ArchiveEntry, write_archive
+    from .conv_matmul import derived_weight_maker, is_derived
+
+    entries = []
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if is_derived(name) != derived:
+            continue
+        make = _tensor_maker(name, tensor, source, derived_weight_maker)
+        entries.append(ArchiveEntry(name, tensor.dtype, tuple(tensor.shape), make))
+    write_archive(entries, path)
+
+
+def _tensor_maker(name, tensor, source, derived_weight_maker):
+    """Where the archive takes name's bytes from: a file range, or a function making it."""
+    from ..placeholders import is_placeholder
     from .conv_matmul import is_derived
 
-    builder = ParameterArchiveBuilder()
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        if is_derived(name) == derived:
-            builder.add_tensor(name, tensor.detach())
-    builder.save(path)
+    if source is None or not is_placeholder(tensor):
+        if is_placeholder(tensor):
+            raise ValueError(f"{name} is a placeholder and no weight source was given")
+        return lambda: tensor.detach()
+    dtype = tensor.dtype
+    if is_derived(name):
+        return derived_weight_maker(name, tuple(tensor.shape), dtype, source)
+    in_file = source.file_range(name, dtype)
+    return in_file if in_file is not None else (lambda: source.tensor(name).to(dtype))

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 
 from sdiree.runtime.weights.winograd import WINOGRAD, WINOGRAD_PARAM
 
+from ..placeholders import is_placeholder, mark, placeholder
+
 # "native": torch's Conv2d as traced; "matmul": im2col + matmul; "winograd": Winograd F(2x2,3x3)
 # for 3x3 stride-1 convs on even sizes (2.25x fewer multiplies), im2col + matmul for the rest.
 # Its transformed weights are 16/9 the size of the originals. Packing them is hoisted to load
@@ -229,11 +231,41 @@ def add_winograd_weights(model: torch.nn.Module, m: int = WINOGRAD_TILE, tiles=N
                 "conv choice"
             )
         if have is None:  # else a second plan on the same model (the VAE's)
-            with torch.no_grad():
-                u = winograd_weight(mod.weight.detach().double(), tile).to(mod.weight.dtype)
-            mod.register_parameter(WINOGRAD_PARAM, torch.nn.Parameter(u, requires_grad=False))
+            mod.register_parameter(WINOGRAD_PARAM, _winograd_parameter(mod.weight, tile))
         out[name] = tile
     return out
+
+
+def _winograd_parameter(weight: torch.nn.Parameter, tile: int) -> torch.nn.Parameter:
+    """The transformed weight of a 3x3 conv weight; a placeholder of its shape when the weight
+    is one (the archive computes it from the model's files: `derived_weight_maker`)."""
+    if is_placeholder(weight):
+        o, c = weight.shape[:2]
+        u = placeholder(((tile + 2) ** 2, c, o), weight.dtype)
+        return mark(torch.nn.Parameter(u, requires_grad=False))
+    with torch.no_grad():
+        u = _derive(weight.detach(), tile)
+    return torch.nn.Parameter(u, requires_grad=False)
+
+
+def _derive(weight: torch.Tensor, tile: int) -> torch.Tensor:
+    return winograd_weight(weight.double(), tile).to(weight.dtype)
+
+
+def derived_weight_maker(name: str, shape: tuple[int, ...], dtype: torch.dtype, source):
+    """A function computing derived parameter name (of shape, in dtype) from the loaded conv
+    weight in source, exactly as `add_winograd_weights` computes it on a loaded model (in
+    float64, rounded to the loaded dtype, then cast to the export's)."""
+    conv_weight = name[: -len(WINOGRAD_PARAM)] + "weight"
+    tile = round(shape[0] ** 0.5) - 2
+    if (tile + 2) ** 2 != shape[0] or tile not in WINOGRAD:
+        raise ValueError(f"{name}: shape {shape} is no Winograd weight")
+
+    def make() -> torch.Tensor:
+        with torch.no_grad():
+            return _derive(source.tensor(conv_weight), tile).to(dtype)
+
+    return make
 
 
 def derived_tag(tiles_by_name: dict[str, int]) -> str | None:
