@@ -160,6 +160,20 @@ class _Decoder:
         ok = (words != 0) & (p >= 0) & (elem < self.sizes[pc])
         return np.where(ok, pc, -1), np.where(ok, elem, -1)
 
+    def elements(self, words: np.ndarray, p: int) -> np.ndarray:
+        """int32 element indices of weight p in words (PAD for padding), cut at the first code
+        of another weight (FOREIGN ends a region). Decoded in chunks: regions reach 200M words."""
+        out = np.empty(len(words), np.int32)
+        chunk = 1 << 24
+        for a in range(0, len(words), chunk):
+            pw, ew = self.decode(words[a : a + chunk])
+            foreign = np.flatnonzero((pw != p) & (pw >= 0))
+            stop = int(foreign[0]) if len(foreign) else len(pw)
+            out[a : a + stop] = np.where(pw[:stop] == p, ew[:stop], PAD)
+            if len(foreign):
+                return out[: a + stop]
+        return out
+
 
 def merged_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     """shape, then every shape made by merging runs of adjacent dims (fewest merges first):
@@ -188,6 +202,15 @@ def _steps(n: int, shape: tuple[int, ...]) -> tuple[int, int] | None:
     return None
 
 
+def _first(test, n: int, chunk: int = 1 << 22) -> int | None:
+    """The first index i < n where test(a, b) (a bool array for [a, b)) is True, or None."""
+    for a in range(0, n, chunk):
+        hit = np.flatnonzero(test(a, min(n, a + chunk)))
+        if len(hit):
+            return a + int(hit[0])
+    return None
+
+
 def infer_levels(E: np.ndarray, shape: tuple[int, ...]) -> tuple | None:
     """The levels (outermost first) of the region that E (element indices; PAD, FOREIGN)
     starts with, or None. E[0] must be element 0."""
@@ -196,18 +219,22 @@ def infer_levels(E: np.ndarray, shape: tuple[int, ...]) -> tuple | None:
     levels = []
     block = 1
     while block < len(E):
-        starts = E[::block]
-        known = np.flatnonzero(starts[1:] >= 0)
-        if len(known) == 0:
+        starts = E[: len(E) // block * block : block]  # whole blocks only
+        k = _first(lambda a, b, starts=starts: starts[1:][a:b] >= 0, len(starts) - 1)
+        if k is None:
             break
-        k = int(known[0]) + 1
+        k += 1
         delta = int(starts[k])
         if delta <= 0 or delta % k:
             break
         step = delta // k
-        expect = np.arange(len(starts), dtype=np.int64) * step
-        bad = np.flatnonzero((starts != expect) & (starts != PAD))
-        count = int(bad[0]) if len(bad) else len(starts)
+
+        def off(a, b, step=step, starts=starts):
+            expect = np.arange(a, b, dtype=np.int64) * step
+            return (starts[a:b] != expect) & (starts[a:b] != PAD)
+
+        bad = _first(off, len(starts))
+        count = len(starts) if bad is None else bad
         if count < 2:
             break
         ds = _steps(step, shape)
@@ -222,7 +249,9 @@ def infer_levels(E: np.ndarray, shape: tuple[int, ...]) -> tuple | None:
 
 def _check(region: Region, E: np.ndarray) -> bool:
     n = int(np.prod(region.shape, dtype=np.int64))
-    want = region.pack(np.arange(n, dtype=np.int64), fill=PAD)
+    if region.size() > len(E):
+        return False
+    want = region.pack(np.arange(n, dtype=np.int32), fill=PAD)
     return len(E) >= len(want) and np.array_equal(E[: len(want)], want)
 
 
@@ -256,33 +285,44 @@ def learn_entry(
         key = decoder.keys[int(p[0])]
         shape = squeeze(shapes[key])
         size = int(np.prod(shape, dtype=np.int64))
-        limit = min(n, j + max(16 * size, 1 << 16))
-        pw, ew = decoder.decode(words[j:limit])
-        E = np.where(pw == p[0], ew, np.where(pw < 0, PAD, FOREIGN))
         if int(e[0]) != 0:
             failed.add(key)
-            end = j + _run_of(pw, int(p[0]))
-            pos = end
+            pos = j + _run_of(decoder, words, j, int(p[0]))
             continue
-        region = None
-        for cand in merged_shapes(shape):
-            levels = infer_levels(E, cand)
-            if levels and _check(r := Region(key, j * itemsize, cand, levels), E):
-                region = r
+        # a region is its weight plus padding: read a little more than the weight, and more
+        # only while the region may go on past what was read (up to 4x the weight)
+        region, span = None, size + (1 << 16)
+        while region is None:
+            end = min(n, j + span)
+            E = decoder.elements(words[j:end], int(p[0]))
+            bounded = end == n or len(E) < end - j  # ends at the data's end or another weight
+            for cand in merged_shapes(shape):
+                levels = infer_levels(E, cand)
+                if levels and _check(r := Region(key, j * itemsize, cand, levels), E):
+                    region = r
+                    break
+            if region is not None or bounded or span >= 4 * size + (1 << 16):
                 break
+            span = 4 * size + (1 << 16)
         if region is None:
             failed.add(key)
-            pos = j + _run_of(pw, int(p[0]))
+            pos = j + _run_of(decoder, words, j, int(p[0]))
             continue
         regions.append(region)
         pos = j + region.size()
     return regions, failed, other
 
 
-def _run_of(pw: np.ndarray, p: int) -> int:
-    """Length of the stretch of pw (from its start) holding param p or padding."""
-    bad = np.flatnonzero((pw != p) & (pw >= 0))
-    return int(bad[0]) if len(bad) else len(pw)
+def _run_of(decoder: _Decoder, words: np.ndarray, j: int, p: int) -> int:
+    """Length of the stretch of words from j holding weight p's codes or padding."""
+    at, chunk = j, 1 << 22
+    while at < len(words):
+        pw, _ = decoder.decode(words[at : at + chunk])
+        bad = np.flatnonzero((pw != p) & (pw >= 0))
+        if len(bad):
+            return at + int(bad[0]) - j
+        at += chunk
+    return len(words) - j
 
 
 # -- learning and applying ----------------------------------------------------------------

@@ -224,27 +224,24 @@ class LoadedWeights:
         return index
 
     def _encode(self, name, enc, source, scope, cached, where, index, device) -> None:
-        """Run the encoder into a temp archive, keep it paged (each distinct page once) at
-        cached, or for this run only (unlinked once mapped), and load it into index."""
+        """Run the encoder and load its output into index: kept paged (each distinct page
+        once) at cached, or for this run only (unlinked once mapped, not worth paging)."""
         from .encoder import run_encoder
 
         m = self.manifest
         raw = temp_path_for(where.with_name(f"{where.stem}.raw{where.suffix}"))
-        paged = cached if cached is not None else temp_path_for(where)
         try:
             run_encoder(
                 m.path(enc.vmfb), [source.create_provider(scope=scope)], enc.scope, raw, device
             )
-            store_encoded(raw, paged)
-            with contextlib.suppress(OSError):
-                os.unlink(raw)
-            load_archive(index, paged)  # mapped: a temp file can go now, its pages stay ours
+            if cached is not None:
+                store_encoded(raw, cached)
+                load_archive(index, cached)
+            else:
+                index.load(str(raw))  # mapped: the file can go now, its pages stay ours
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(raw)
-            if cached is None:
-                with contextlib.suppress(OSError):
-                    os.unlink(paged)
 
 
 def _prune(cache_dir: Path, keep: Path) -> None:

@@ -116,7 +116,8 @@ def write_paged(src: Path, out: Path, only_if_shared: bool = False) -> PagedStat
     data_entries, splats = [], []
     for key, e in index.items():
         if e.is_splat:
-            splats.append((key, bytes(e.splat_pattern), int(e.length), e.metadata))
+            meta = bytes(e.metadata or b"").decode("utf-8", "replace") or None
+            splats.append((key, bytes(e.splat_pattern), int(e.length), meta))
         else:
             data_entries.append((key, int(e.file_storage[1]), int(e.length)))
     pages = _Pages(mapped, data_entries)
