@@ -3,9 +3,10 @@
 Each run is a fresh process that opens only the submodule, times the load (Session), calls one
 function once on inputs drawn from a fixed seed, and reports the call's time and the process's
 peak RSS (VmHWM); the outputs are saved so that the A and B outputs can be compared bit for
-bit. Artifacts alternate (A, B, A, B...) so a noisy machine hits both alike.
+bit. FN may list several functions (`denoise_cfg,denoise`): called in turn in one process, so
+the peak RSS counts every packed copy they use. Artifacts alternate (A, B, A, B...) so a noisy machine hits both alike.
 
-    python tools/encoded_bench.py unet denoise_cfg ART_A ART_B [--rounds 2] [--json OUT]
+    python tools/encoded_bench.py unet denoise_cfg[,denoise] ART_A ART_B [--rounds 2] [--json OUT]
 """
 
 from __future__ import annotations
@@ -40,17 +41,18 @@ def one(artifact: Path, sub: str, fn: str, out: Path) -> dict:
     load_s = time.perf_counter() - t0
     rss_load = _hwm_gb()
     rng = np.random.default_rng(0)
-    args = [
-        rng.standard_normal(d.shape).astype(d.dtype)
-        if d.name != "timestep"
-        else np.full(d.shape, 500, d.dtype)
-        for d in session.decl(sub, fn).inputs
-    ]
-    t0 = time.perf_counter()
-    res = session.call(sub, fn, *args)
-    call_s = time.perf_counter() - t0
-    np.save(out, res[0])
-    return {"load_s": round(load_s, 3), "call_s": round(call_s, 2),
+    calls, outputs = {}, []
+    for name in fn.split(","):  # several: called one after another in this process
+        args = [
+            rng.standard_normal(d.shape).astype(d.dtype) if d.name != "timestep" else
+            np.full(d.shape, 500, d.dtype)
+            for d in session.decl(sub, name).inputs
+        ]  # fmt: skip
+        t0 = time.perf_counter()
+        outputs.append(session.call(sub, name, *args)[0])
+        calls[name] = round(time.perf_counter() - t0, 2)
+    np.save(out, np.concatenate([o.reshape(-1) for o in outputs]))
+    return {"load_s": round(load_s, 3), "call_s": calls,
             "peak_rss_gb_load": round(rss_load, 2), "peak_rss_gb": round(_hwm_gb(), 2)}  # fmt: skip
 
 

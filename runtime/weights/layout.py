@@ -347,7 +347,7 @@ def learn(
     import iree.runtime as rt
 
     from .encoder import run_encoder
-    from .pages import entry_views
+    from .pages import entry_views, zeroed_like
 
     arrays, bases = coded_inputs(params)
     index = rt.ParameterIndex()
@@ -359,8 +359,17 @@ def learn(
             keep.append(a)
         index.add_buffer(key, a.reshape(-1).view(np.uint8))
     try:
-        run_encoder(encoder_vmfb, [index.create_provider(scope=in_scope)], out_scope, work, device)
-        del index, arrays, keep
+        sources = [index.create_provider(scope=in_scope)]
+        # Where the compiled archive is paged its layout is reused: the coded output takes
+        # the distinct pages only (6.7 GB instead of 11.5 for SD 1.5's UNet), each packed
+        # copy written through both places; every region is still checked on both.
+        if zeroed_like(encoded, work):
+            run_encoder(
+                encoder_vmfb, sources, out_scope, None, device, into=entry_views(work, write=True)
+            )
+        else:
+            run_encoder(encoder_vmfb, sources, out_scope, work, device)
+        del index, arrays, keep, sources
         coded_views = entry_views(work)
         real_views = entry_views(encoded)
         shapes = {k: tuple(s) for k, (s, _) in params.items()}

@@ -232,9 +232,10 @@ def load_archive(index, path: Path) -> None:
         index.add_buffer(key, view)
 
 
-def entry_views(path: Path, private: bool = False) -> dict[str, np.ndarray]:
+def entry_views(path: Path, private: bool = False, write: bool = False) -> dict[str, np.ndarray]:
     """{key: uint8 view} of every data entry of the archive at path (ordinary or paged), as
-    the module reads it; with private, copy-on-write views (see _assemble)."""
+    the module reads it; with private, copy-on-write views (see _assemble); with write,
+    views that write to the file (a page shared by two places is written through both)."""
     import iree.runtime as rt
 
     probe = rt.ParameterIndex()
@@ -242,7 +243,7 @@ def entry_views(path: Path, private: bool = False) -> dict[str, np.ndarray]:
     layout = paged_layout(probe)
     items = dict(probe.items())
     if layout is None:
-        mode = "c" if private else "r"
+        mode = "c" if private else "r+" if write else "r"
         out = {}
         for key, e in items.items():
             if not e.is_splat:
@@ -251,9 +252,33 @@ def entry_views(path: Path, private: bool = False) -> dict[str, np.ndarray]:
         return out
     start = _round_up(int(items[PAGES_KEY].file_storage[1]), int(layout["page"]))
     return {
-        key: _assemble(Path(path), start, int(e["length"]), e["runs"], layout["page"], private)
+        key: _assemble(
+            Path(path), start, int(e["length"]), e["runs"], layout["page"], private, write
+        )
         for key, e in layout["entries"].items()
     }
+
+
+def zeroed_like(path: Path, out: Path) -> bool:
+    """Write at out an archive with the entries of the paged archive at path, all zero, laid
+    out as path's (a page shared there is shared here). False (nothing written) when path
+    is not paged."""
+    import iree.runtime as rt
+
+    probe = rt.ParameterIndex()
+    probe.load(str(path))
+    if paged_layout(probe) is None:
+        return False
+    plan = rt.ParameterIndex()
+    for key, e in probe.items():
+        meta = bytes(e.metadata or b"").decode("utf-8", "replace") or None
+        if e.is_splat:
+            pattern = np.frombuffer(bytes(e.splat_pattern), np.uint8).copy()
+            plan.add_splat(key, pattern, int(e.length), metadata=meta)
+        else:
+            plan.add_buffer(key, np.zeros(int(e.length), np.uint8), metadata=meta)
+    plan.create_archive_file(str(out))
+    return True
 
 
 def splat_entries(path: Path) -> list[tuple[str, bytes, int]]:
@@ -276,9 +301,9 @@ class _Region:
             raise OSError(ctypes.get_errno(), "could not reserve address space")
         self.addr = addr
 
-    def map(self, fd: int, at: int, length: int, offset: int, private: bool) -> None:
+    def map(self, fd: int, at: int, length: int, offset: int, private: bool, write: bool):
         flags = (mmap.MAP_PRIVATE if private else mmap.MAP_SHARED) | _MAP_FIXED
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if private else 0)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if private or write else 0)
         got = self.libc.mmap(self.addr + at, length, prot, flags, fd, offset)
         if got != self.addr + at:
             raise OSError(ctypes.get_errno(), "could not map a page run")
@@ -315,7 +340,13 @@ def _libc():
 
 
 def _assemble(
-    path: Path, start: int, length: int, runs: list, page: int, private: bool = False
+    path: Path,
+    start: int,
+    length: int,
+    runs: list,
+    page: int,
+    private: bool = False,
+    write: bool = False,
 ) -> np.ndarray:
     """A uint8 view of one original entry: its runs mapped from the store at their places, or
     (where pages cannot be mapped so) copied into memory. Read-only, or with private a
@@ -323,6 +354,8 @@ def _assemble(
     libc = _libc() if page % mmap.PAGESIZE == 0 and start % mmap.PAGESIZE == 0 else None
     size = max(page, _round_up(length, page))
     if libc is None:
+        if write:
+            raise OSError("this system cannot map a paged archive for writing")
         out = np.empty(length, np.uint8)
         src = np.memmap(path, np.uint8, mode="r")
         for virt, n, at in runs:
@@ -330,16 +363,16 @@ def _assemble(
         out.flags.writeable = private
         return out
     region = _Region(libc, size)
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDWR if write else os.O_RDONLY)
     try:
         for virt, n, at in runs:
-            region.map(fd, virt, _round_up(n, page), start + at, private)
+            region.map(fd, virt, _round_up(n, page), start + at, private, write)
     finally:
         os.close(fd)  # the mappings keep the file
     buf = (ctypes.c_uint8 * length).from_address(region.addr)
     buf._region = region  # freed (and unmapped) with the last view of it
     view = np.frombuffer(buf, np.uint8)
-    view.flags.writeable = private
+    view.flags.writeable = private or write
     return view
 
 
