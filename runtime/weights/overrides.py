@@ -218,7 +218,10 @@ class LoadedWeights:
         replaced = self.overrides.tensors.get(sub.scope, {})
         index = repacked_index(self.manifest, name, layout, replaced, self._keep)
         if index is None:
-            self.report(f"{name}: the encoder's layout does not cover these weights; encoding")
+            self.report(
+                f"{name}: too many weights, or some the encoder's layout does not cover, to "
+                "re-pack; encoding"
+            )
             return None
         self.report(f"{name}: re-packed {len(replaced)} weights in {time.perf_counter() - t0:.1f}s")
         return index

@@ -11,6 +11,7 @@ caller runs the encoder instead.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,8 @@ from .winograd import base_key, winograd_weight
 
 LAYOUT_CACHE = "encoded-layouts"  # under the user cache: <submodule>-<key>.json
 REPACK_ENV = "SDIREE_ENCODED_REPACK"  # "0": always run the encoder (A/B, debugging)
+# the most of the packed weights re-packed in numpy (a fraction); more goes to the encoder
+SHARE_ENV, SHARE_DEFAULT = "SDIREE_REPACK_MAX_SHARE", 0.25
 
 
 def _encoded_path(manifest, sub) -> Path | None:
@@ -95,6 +98,14 @@ def repacked_index(
     sub = manifest.submodules[name]
     derived = {d: shape for d, (shape, _) in sub.encoder.derived.items() if base_key(d) in replaced}
     if not layout.covers([*replaced, *derived]):
+        return None
+    # Each re-packed page becomes private memory, every packed copy apart: past a share of
+    # the archive (a LoRA on every layer, a whole checkpoint) the encoder's file-backed
+    # output costs less memory.
+    by_param = layout.regions_of()
+    total = sum(r.size() for rs in layout.entries.values() for r in rs)
+    touched = sum(r.size() for p in [*replaced, *derived] for _, r in by_param.get(p, ()))
+    if total and touched > float(os.environ.get(SHARE_ENV, SHARE_DEFAULT)) * total:
         return None
     encoded = _encoded_path(manifest, sub)
     views = entry_views(encoded, private=True)

@@ -69,6 +69,7 @@ def test_a_lora_repacked_in_numpy_makes_the_encoder_paths_image(
 ):
     art = compiled.get("cpu", "host", "fp32")
     monkeypatch.setenv("SDIREE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(repack.SHARE_ENV, "1")  # this change is 47% of the tiny UNet's packs
     lora = _lora_like(art)
     monkeypatch.setenv(repack.REPACK_ENV, "0")
     encoded = _image(art, lora)
@@ -91,6 +92,7 @@ def test_a_weight_whose_layout_did_not_verify_goes_through_the_encoder(
 ):
     art = compiled.get("cpu", "host", "fp32")
     monkeypatch.setenv("SDIREE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(repack.SHARE_ENV, "1")
     lora = _lora_like(art)
     learned = repack.layout_for
 
@@ -101,6 +103,15 @@ def test_a_weight_whose_layout_did_not_verify_goes_through_the_encoder(
 
     monkeypatch.setattr("sdiree.runtime.weights.overrides.layout_for", distrusted)
     fast_or_not = _image(art, lora)
-    assert "does not cover these weights; encoding" in capsys.readouterr().err
+    assert "does not cover, to re-pack; encoding" in capsys.readouterr().err
     monkeypatch.setenv(repack.REPACK_ENV, "0")
     np.testing.assert_array_equal(fast_or_not, _image(art, lora))
+
+
+def test_a_change_past_the_share_goes_through_the_encoder(compiled, monkeypatch, tmp_path, capsys):
+    art = compiled.get("cpu", "host", "fp32")
+    monkeypatch.setenv("SDIREE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(repack.SHARE_ENV, "0.25")
+    _image(art, _lora_like(art))
+    err = capsys.readouterr().err
+    assert "unet: too many weights" in err and "unet: encoded in" in err
