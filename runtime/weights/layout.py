@@ -49,6 +49,10 @@ class Region:
 
     def pack(self, w: np.ndarray, fill=0) -> np.ndarray:
         """The packed copy of w (any shape whose non-unit dims are `shape`), flat."""
+        return np.ascontiguousarray(self.strided(w, fill)).reshape(-1)
+
+    def strided(self, w: np.ndarray, fill=0) -> np.ndarray:
+        """The packed copy of w as a strided view (one axis per level) of w, padded."""
         w = np.asarray(w).reshape(self.shape)
         padded = self.padded()
         if padded != self.shape:
@@ -58,10 +62,9 @@ class Region:
         else:
             w = np.ascontiguousarray(w)
         strides = [w.strides[d] * step for d, step, _ in self.levels]
-        view = np.lib.stride_tricks.as_strided(
+        return np.lib.stride_tricks.as_strided(
             w, [c for _, _, c in self.levels], strides, writeable=False
         )
-        return np.ascontiguousarray(view).reshape(-1)
 
     def to_json(self) -> list:
         return [self.param, self.offset, list(self.shape), [list(x) for x in self.levels]]
@@ -427,7 +430,9 @@ def repack(layout: Layout, views: dict[str, np.ndarray], weights: dict[str, np.n
     written = 0
     for key, w in weights.items():
         for entry, r in by_param.get(key, ()):
-            packed = r.pack(w).view(np.uint8)
-            views[entry][r.offset : r.offset + len(packed)] = packed
-            written += len(packed)
+            src = r.strided(w)
+            n = r.size() * src.itemsize
+            dst = views[entry][r.offset : r.offset + n].view(src.dtype).reshape(src.shape)
+            np.copyto(dst, src)  # straight into the (copy-on-write) pages: one copy
+            written += n
     return written
