@@ -42,6 +42,17 @@ def _source_file(model_dir: Path) -> dict:
     return {"file": {k: info[k] for k in ("file", "sha256", "format") if k in info}}
 
 
+def _layout(path: Path) -> dict:
+    """{"layout": "pages"} for a paged archive (sdiree.runtime.weights.pages), else {}."""
+    import iree.runtime as rt
+
+    from sdiree.runtime.weights.pages import paged_layout
+
+    index = rt.ParameterIndex()
+    index.load(str(path))
+    return {"layout": "pages"} if paged_layout(index) is not None else {}
+
+
 def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict) -> dict:
     plan = builder.plan
     out = plan.out
@@ -68,7 +79,10 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
             "vmfb": vmfb_rel,
             "parameters": archives[0][0],
             "scope": archives[0][2],
-            "extra_parameters": [{"path": rel, "scope": scope} for rel, _, scope in archives[1:]],
+            "extra_parameters": [
+                {"path": rel, "scope": scope, **_layout(out / rel)}
+                for rel, _, scope in archives[1:]
+            ],
             # the kept parameter encoder: what `sdiree run --weights/--lora` re-encodes with
             **({"encoder": encoder} if encoder else {}),
             "mlir": res["mlir"].name,

@@ -6,6 +6,10 @@ peak memory on every load. iree-compile can split that work into a separate *enc
 (`--iree-parameter-encoder-output-file`); running the encoder once writes the results to a
 parameter archive, and the main module then loads them instead of computing them.
 
+The encoder writes one packed copy of a weight per matmul size that uses it (the UNet's batch 2
+and batch 1), byte-identical, so the artifact keeps its output paged: each distinct page once
+(sdiree.runtime.weights.pages).
+
 Running an encoder is the runtime's job too (sdiree.runtime.weights.encoder): an artifact keeps
 its encoders so that other weights (`sdiree run --weights/--lora`) are encoded without a
 recompile.
@@ -15,8 +19,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sdiree.runtime.fileutil import temp_path_for
 from sdiree.runtime.session import parameter_providers
 from sdiree.runtime.weights.encoder import run_encoder as _run_encoder
+from sdiree.runtime.weights.pages import store_encoded
 
 
 def encoder_flags(encoder_mlir: Path, scope: str) -> list[str]:
@@ -33,11 +39,19 @@ def run_encoder(
     encoder_vmfb: Path, inputs: list[tuple[str, Path]], scope: str, out: Path, driver: str
 ) -> int:
     """run_encoder (sdiree.runtime.weights.encoder) over input archives [(scope, path)] on a
-    new device of driver."""
+    new device of driver, its output kept at out as a paged archive (each distinct page once:
+    the packed copies of a weight for different matmul sizes are byte-identical)."""
     import iree.runtime as rt
 
     device = rt.get_driver(driver).create_default_device()
-    return _run_encoder(encoder_vmfb, parameter_providers(inputs), scope, out, device)
+    raw = temp_path_for(out.with_name(f"{out.stem}.raw{out.suffix}"))
+    try:
+        count = _run_encoder(encoder_vmfb, parameter_providers(inputs), scope, raw, device)
+        if count:
+            store_encoded(raw, out)
+    finally:
+        raw.unlink(missing_ok=True)
+    return count
 
 
 def loads_with(vmfb: Path, archives: list[tuple[str, Path]], driver: str) -> bool:

@@ -29,9 +29,11 @@ from .fileutil import (
 # 2 added a submodule's `extra_parameters` ([{path, scope}]): archives loaded beside
 # `parameters` (weights derived at export, weights encoded at compile). 3 added a submodule's
 # `encoder` ({vmfb, scope, derived}): the parameter encoder kept to encode other weights.
-# Versions 1 and 2 are still read.
-SCHEMA_VERSION = 3
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+# 4: an encoded archive may be paged (each distinct page once, sdiree.runtime.weights.pages;
+# its `extra_parameters` entry says `"layout": "pages"`), which older readers cannot load.
+# Versions 1 to 3 are still read (the runtime tells the layouts apart by content).
+SCHEMA_VERSION = 4
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
 MANIFEST_NAME = "manifest.json"
 DEFAULT_PIPELINE = "text2img"  # of manifests from before families were recorded
 HASH_CACHE = ".verified.json"  # in the artifact: {path: [size, mtime, ctime, inode, sha256]}

@@ -18,6 +18,7 @@ from .errors import UserError
 from .host_memory import keep_freed_host_memory
 from .manifest import FunctionDecl, Manifest
 from .weights.overrides import LoadedWeights, WeightOverrides
+from .weights.pages import load_archive
 
 T = TypeVar("T")
 
@@ -115,12 +116,13 @@ def map_module(instance, path: Path):
 
 
 def parameter_providers(archives: list[tuple[str, Path]]) -> list:
-    """One parameter provider per scope, over every archive [(scope, path)] of that scope."""
+    """One parameter provider per scope, over every archive [(scope, path)] of that scope
+    (ordinary or paged, sdiree.runtime.weights.pages)."""
     import iree.runtime as rt
 
     indices = {}
     for scope, path in archives:
-        indices.setdefault(scope, rt.ParameterIndex()).load(str(path))
+        load_archive(indices.setdefault(scope, rt.ParameterIndex()), path)
     return [index.create_provider(scope=scope) for scope, index in indices.items()]
 
 

@@ -9,6 +9,12 @@ the baseline: what loading costs anyway.
 
     python tools/weights_bench.py ARTIFACT [--weights FILE] [--lora FILE[:X]] [--vae FILE]
         [--cases compiled,weights,weights-cached,lora] [--json OUT]
+
+LoRA cases on cpu: `lora-encoder` runs the kept encoder over all the submodule's weights (the
+path before the numpy re-pack, `SDIREE_ENCODED_REPACK=0`); `lora` re-packs the changed
+weights by the encoder's learned layout, learning it first when the cache has none (all cases
+share one temporary cache, so a later `lora-again` finds it). Each case's progress lines
+(`unet: ...`) are kept in the JSON.
 """
 
 from __future__ import annotations
@@ -65,11 +71,14 @@ def main(argv=None) -> int:
     ap.add_argument("--vae")
     ap.add_argument("--cases", default="compiled,weights,weights-cached,lora")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--cache", type=Path, help="SDIREE_CACHE to use and keep (default: a temp)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.one:
         print(json.dumps(one_case(a.artifact, a.weights, a.lora, a.vae)))
         return 0
+    if a.cache:
+        return _cases(a, {**os.environ, "SDIREE_CACHE": str(a.cache)})
     cache = tempfile.mkdtemp(prefix="weights-bench-cache-")  # encoded weights: GBs, removed
     try:
         return _cases(a, {**os.environ, "SDIREE_CACHE": cache})
@@ -85,15 +94,19 @@ def _cases(a, env) -> int:
             "weights": ["--weights", a.weights],
             "weights-cached": ["--weights", a.weights],
             "lora": ["--lora", a.lora],
+            "lora-encoder": ["--lora", a.lora],
+            "lora-again": ["--lora", a.lora],
             "vae": ["--vae", a.vae],
         }[case]
         cmd = [sys.executable, __file__, str(a.artifact), "--one", *args]
+        case_env = {**env, "SDIREE_ENCODED_REPACK": "0" if case == "lora-encoder" else "1"}
         t0 = time.perf_counter()
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=case_env)
         if r.returncode:
             print(r.stderr, file=sys.stderr)
             return r.returncode
         rows[case] = {**json.loads(r.stdout.strip().splitlines()[-1])}
+        rows[case]["log"] = [x for x in r.stderr.splitlines() if ": " in x and "Warning" not in x]
         rows[case]["process_s"] = round(time.perf_counter() - t0, 2)
         print(case, rows[case], flush=True)
     if a.json:

@@ -32,10 +32,14 @@ def _text(ref) -> str:
     return bytes(memoryview(ref.deref(rt.VmBuffer))).decode()
 
 
-def run_encoder(encoder_vmfb: Path, sources: list, scope: str, out: Path, device) -> int:
+def run_encoder(
+    encoder_vmfb: Path, sources: list, scope: str, out: Path | None, device, into=None
+) -> int:
     """Run encoder_vmfb on device over the parameter providers `sources` (its inputs' scopes)
-    and write the parameters it produces for `scope` to out (atomically). Returns how many
-    parameters were written; 0 (and no file) when the module had nothing to precompute."""
+    and write the parameters it produces for `scope` to out (atomically), or with `into`
+    ({key: writable uint8 array} of every data parameter) into those arrays. Returns how
+    many parameters were written; 0 (and no file) when the module had nothing to
+    precompute."""
     import iree.runtime as rt
 
     from ..session import map_module
@@ -85,6 +89,14 @@ def run_encoder(encoder_vmfb: Path, sources: list, scope: str, out: Path, device
     count = len(layout.items())
     if count == 0:
         return 0
+    if into is not None:
+        if {k: len(into.get(k, ())) for k in lengths} != lengths:
+            raise ValueError("the output buffers do not match the encoder's parameters")
+        output = rt.ParameterIndex()
+        for key in lengths:
+            output.add_buffer(key, into[key], writable=True)
+        _encode(functions, context(output.create_provider(scope=scope)), device)
+        return count
     with atomic_path(out) as tmp:
         written = layout.create_archive_file(str(tmp))
         offsets = {k: e.file_storage[1] for k, e in written.items() if k in lengths}
@@ -93,17 +105,28 @@ def run_encoder(encoder_vmfb: Path, sources: list, scope: str, out: Path, device
         for key, length in lengths.items():
             output.add_buffer(key, mapped[offsets[key] : offsets[key] + length], writable=True)
         ctx = context(output.create_provider(scope=scope))
-        steps = invoke(ctx, functions["steps"]).get_as_list(0) if "steps" in functions else None
-        signal = rt.HalFence.create_at(device.create_semaphore(0), 1)
-        args = rt.VmVariantList(3)
-        if steps is None:
-            args.push_ref(None)
-        else:
-            args.push_list(steps)
-        args.push_ref(rt.HalFence(0))  # nothing to wait for
-        args.push_ref(signal)
-        ctx.invoke(functions["encode"], args, rt.VmVariantList(0))
-        signal.wait()
+        _encode(functions, ctx, device)
         mapped.flush()
         del ctx, output, mapped, written
     return count
+
+
+def _encode(functions: dict, ctx, device) -> None:
+    """Call the encoder's `steps` then `encode` in ctx, and wait for it."""
+    import iree.runtime as rt
+
+    steps = None
+    if "steps" in functions:
+        out = rt.VmVariantList(1)
+        ctx.invoke(functions["steps"], rt.VmVariantList(0), out)
+        steps = out.get_as_list(0)
+    signal = rt.HalFence.create_at(device.create_semaphore(0), 1)
+    args = rt.VmVariantList(3)
+    if steps is None:
+        args.push_ref(None)
+    else:
+        args.push_list(steps)
+    args.push_ref(rt.HalFence(0))  # nothing to wait for
+    args.push_ref(signal)
+    ctx.invoke(functions["encode"], args, rt.VmVariantList(0))
+    signal.wait()

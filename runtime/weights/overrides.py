@@ -29,6 +29,8 @@ from ..errors import UserError
 from ..fileutil import remove_stale_temps, sha256_json, temp_path_for, user_cache_dir
 from ..manifest import Manifest
 from .archive import Archive
+from .pages import load_archive, store_encoded
+from .repack import REPACK_ENV, layout_for, repacked_index
 from .winograd import base_key, winograd_weight
 
 ENCODED_CACHE = "encoded"  # under the user cache: <key>/<submodule>.encoded.irpa
@@ -106,7 +108,7 @@ class LoadedWeights:
             else:
                 index = rt.ParameterIndex()
                 for p in paths:
-                    index.load(str(p))
+                    load_archive(index, p)
                 self.indices[scope] = index
         for scope, name in encoded_scopes.items():
             self.indices[scope] = self._encoded_index(name, device)
@@ -180,9 +182,13 @@ class LoadedWeights:
         index = rt.ParameterIndex()
         if cached is not None and cached.is_file():
             self.report(f"{name}: encoded weights from the cache ({cached.parent})")
-            index.load(str(cached))
+            load_archive(index, cached)
             os.utime(cached.parent)  # recently used: pruned last
             return index
+        if cached is None and os.environ.get(REPACK_ENV, "1") != "0":
+            fast = self._repacked_index(name, device)
+            if fast is not None:
+                return fast
         own = [(m.path(p), s) for p, s in sub.archives() if s == sub.scope]
         keep: list = []  # the encoder's inputs (derived weights too): freed once it ran
         source = self._replaced_index(sub.scope, [p for p, _ in own], enc.derived, keep)
@@ -201,25 +207,44 @@ class LoadedWeights:
         self.report(f"{name}: encoded in {time.perf_counter() - t0:.1f}s")
         return index
 
+    def _repacked_index(self, name: str, device):
+        """The replaced weights re-packed in numpy over the compiled encoded ones (a few
+        tensors, a LoRA), or None where the encoder's learned layout does not cover them."""
+        sub = self.manifest.submodules[name]
+        layout = layout_for(self.manifest, name, device, self.report)
+        if layout is None:
+            return None
+        t0 = time.perf_counter()
+        replaced = self.overrides.tensors.get(sub.scope, {})
+        index = repacked_index(self.manifest, name, layout, replaced, self._keep)
+        if index is None:
+            self.report(
+                f"{name}: too many weights, or some the encoder's layout does not cover, to "
+                "re-pack; encoding"
+            )
+            return None
+        self.report(f"{name}: re-packed {len(replaced)} weights in {time.perf_counter() - t0:.1f}s")
+        return index
+
     def _encode(self, name, enc, source, scope, cached, where, index, device) -> None:
+        """Run the encoder and load its output into index: kept paged (each distinct page
+        once) at cached, or for this run only (unlinked once mapped, not worth paging)."""
         from .encoder import run_encoder
 
         m = self.manifest
-        if cached is not None:
+        raw = temp_path_for(where.with_name(f"{where.stem}.raw{where.suffix}"))
+        try:
             run_encoder(
-                m.path(enc.vmfb), [source.create_provider(scope=scope)], enc.scope, cached, device
+                m.path(enc.vmfb), [source.create_provider(scope=scope)], enc.scope, raw, device
             )
-            index.load(str(cached))
-        else:
-            tmp = temp_path_for(where)
-            try:
-                run_encoder(
-                    m.path(enc.vmfb), [source.create_provider(scope=scope)], enc.scope, tmp, device
-                )
-                index.load(str(tmp))  # mapped: the file can go now, its pages stay ours
-            finally:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+            if cached is not None:
+                store_encoded(raw, cached)
+                load_archive(index, cached)
+            else:
+                index.load(str(raw))  # mapped: the file can go now, its pages stay ours
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(raw)
 
 
 def _prune(cache_dir: Path, keep: Path) -> None:

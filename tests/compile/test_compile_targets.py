@@ -18,7 +18,7 @@ def assert_manifest_complete(out, target, arch, dtype):
     m = load_manifest(out)
     check_files(m)  # every listed file exists and matches its sha256
     d = m.data
-    assert d["schema_version"] == 3
+    assert d["schema_version"] == 4
     assert d["target"] == {**d["target"], "name": target, "arch": arch}
     assert d["dtype"] == dtype
     assert d["iree_compiler_version"].startswith("3.13")

@@ -1,0 +1,438 @@
+"""How a parameter encoder lays out each weight, learned once, so a few changed weights (a
+LoRA) are re-packed in numpy instead of by re-running the encoder over all of them.
+
+On cpu the encoder's output is a repack (data tiling: tiles, padding, transposes) of each
+weight, written at fixed places of one entry. `learn` runs the encoder once on *coded* weights:
+every float32 element replaced by a distinct normal float whose bits are its index, so each
+output element names the element it was copied from (0: padding). Each stretch of one weight's
+codes is described as a strided view of the zero-padded weight (`Region.levels`: per output
+axis, the weight dimension it walks, its step and its count), checked against the codes
+element for element, and then against the compile's own encoded archive on the real weights.
+The layout is `complete` when every other byte is the same in both runs (alignment gaps),
+i.e. no weight reaches the output in a way not described; only then is it used, and only for
+weights all of whose regions verified. Anything else goes through the encoder.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+CODE_BASE = 0x00800000  # the smallest normal float32: codes are normal numbers, never NaN
+CODE_END = 0x7F800000  # +inf: codes stay below
+FORMAT_VERSION = 1
+PAD, FOREIGN = -1, -2
+
+
+@dataclass(frozen=True)
+class Region:
+    """One packed copy of `param` at byte `offset` of an encoded entry: the weight (shape
+    `shape`, unit dimensions dropped) zero-padded, then read as a strided view with one axis
+    per level (dim, step, count), outermost first."""
+
+    param: str
+    offset: int
+    shape: tuple[int, ...]
+    levels: tuple[tuple[int, int, int], ...]
+
+    def padded(self) -> tuple[int, ...]:
+        reach = [1] * len(self.shape)
+        for d, step, count in self.levels:
+            reach[d] += step * (count - 1)
+        return tuple(max(s, r) for s, r in zip(self.shape, reach, strict=True))
+
+    def size(self) -> int:
+        return int(np.prod([c for _, _, c in self.levels], dtype=np.int64))
+
+    def pack(self, w: np.ndarray, fill=0) -> np.ndarray:
+        """The packed copy of w (any shape whose non-unit dims are `shape`), flat."""
+        return np.ascontiguousarray(self.strided(w, fill)).reshape(-1)
+
+    def strided(self, w: np.ndarray, fill=0) -> np.ndarray:
+        """The packed copy of w as a strided view (one axis per level) of w, padded."""
+        w = np.asarray(w).reshape(self.shape)
+        padded = self.padded()
+        if padded != self.shape:
+            p = np.full(padded, fill, w.dtype)
+            p[tuple(slice(0, s) for s in self.shape)] = w
+            w = p
+        else:
+            w = np.ascontiguousarray(w)
+        strides = [w.strides[d] * step for d, step, _ in self.levels]
+        return np.lib.stride_tricks.as_strided(
+            w, [c for _, _, c in self.levels], strides, writeable=False
+        )
+
+    def to_json(self) -> list:
+        return [self.param, self.offset, list(self.shape), [list(x) for x in self.levels]]
+
+    @staticmethod
+    def from_json(j) -> Region:
+        return Region(str(j[0]), int(j[1]), tuple(j[2]), tuple(tuple(x) for x in j[3]))
+
+
+@dataclass
+class Layout:
+    """The regions of every encoded entry; `complete` when nothing else depends on weights."""
+
+    entries: dict[str, list[Region]] = field(default_factory=dict)
+    complete: bool = False
+    unverified: set[str] = field(default_factory=set)  # params with a region that did not
+
+    def regions_of(self) -> dict[str, list[tuple[str, Region]]]:
+        out: dict[str, list[tuple[str, Region]]] = {}
+        for entry, regions in self.entries.items():
+            for r in regions:
+                out.setdefault(r.param, []).append((entry, r))
+        return out
+
+    def covers(self, params) -> bool:
+        """Whether every param in params can be re-packed here (regions verified, or none)."""
+        return self.complete and not (set(params) & self.unverified)
+
+    def save(self, path: Path) -> None:
+        from ..fileutil import atomic_write_json
+
+        atomic_write_json(
+            path,
+            {
+                "version": FORMAT_VERSION,
+                "complete": self.complete,
+                "unverified": sorted(self.unverified),
+                "entries": {k: [r.to_json() for r in v] for k, v in self.entries.items()},
+            },
+        )
+
+    @staticmethod
+    def load(path: Path) -> Layout | None:
+        try:
+            d = json.loads(Path(path).read_text())
+            if d.get("version") != FORMAT_VERSION:
+                return None
+            entries = {k: [Region.from_json(r) for r in v] for k, v in d["entries"].items()}
+            return Layout(entries, bool(d["complete"]), set(d["unverified"]))
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            return None
+
+
+def squeeze(shape) -> tuple[int, ...]:
+    s = tuple(int(x) for x in shape if int(x) != 1)
+    return s or (1,)
+
+
+# -- codes --------------------------------------------------------------------------------
+def coded_inputs(params: dict[str, tuple[tuple[int, ...], np.dtype]]):
+    """{key: coded float32 array} for the float32 params, and {key: first code index}. Each
+    element's bits are CODE_BASE + its index among all coded elements."""
+    arrays, bases = {}, {}
+    at = 0
+    for key, (shape, dtype) in params.items():
+        if np.dtype(dtype) != np.float32:
+            continue
+        n = int(np.prod(shape, dtype=np.int64))
+        if CODE_BASE + at + n >= CODE_END:
+            break  # out of codes: the rest keep their values (and stay unverified)
+        arrays[key] = (
+            (np.arange(n, dtype=np.uint32) + np.uint32(CODE_BASE + at))
+            .view(np.float32)
+            .reshape(shape)
+        )
+        bases[key] = at
+        at += n
+    return arrays, bases
+
+
+class _Decoder:
+    """Maps output codes back to (param index, element index)."""
+
+    def __init__(self, bases: dict[str, int], shapes: dict[str, tuple[int, ...]]):
+        order = sorted(bases, key=bases.get)
+        self.keys = order
+        self.starts = np.array([bases[k] for k in order], np.int64)
+        self.sizes = np.array([int(np.prod(shapes[k], dtype=np.int64)) for k in order], np.int64)
+
+    def decode(self, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(param index or -1, element index) per uint32 word; -1/-1 for zero (padding)."""
+        rel = words.astype(np.int64) - CODE_BASE
+        p = np.searchsorted(self.starts, rel, side="right") - 1
+        pc = np.clip(p, 0, len(self.starts) - 1)
+        elem = rel - self.starts[pc]
+        ok = (words != 0) & (p >= 0) & (elem < self.sizes[pc])
+        return np.where(ok, pc, -1), np.where(ok, elem, -1)
+
+    def elements(self, words: np.ndarray, p: int) -> np.ndarray:
+        """int32 element indices of weight p in words (PAD for padding), cut at the first code
+        of another weight (FOREIGN ends a region). Decoded in chunks: regions reach 200M words."""
+        out = np.empty(len(words), np.int32)
+        chunk = 1 << 24
+        for a in range(0, len(words), chunk):
+            pw, ew = self.decode(words[a : a + chunk])
+            foreign = np.flatnonzero((pw != p) & (pw >= 0))
+            stop = int(foreign[0]) if len(foreign) else len(pw)
+            out[a : a + stop] = np.where(pw[:stop] == p, ew[:stop], PAD)
+            if len(foreign):
+                return out[: a + stop]
+        return out
+
+
+def merged_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """shape, then every shape made by merging runs of adjacent dims (fewest merges first):
+    a walk over contiguous elements may cross dims (a 3x3 kernel read as 9, a plain copy)."""
+    n = len(shape)
+    out = []
+    for cuts in range(2 ** (n - 1) - 1, -1, -1):
+        dims, cur = [], shape[0]
+        for i in range(1, n):
+            if cuts >> (i - 1) & 1:
+                dims.append(cur)
+                cur = shape[i]
+            else:
+                cur *= shape[i]
+        dims.append(cur)
+        out.append(tuple(dims))
+    return sorted(dict.fromkeys(out), key=len, reverse=True)
+
+
+def _steps(n: int, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """(dim, step) of a flat-index stride n of a contiguous array of shape."""
+    strides = np.cumprod((1, *shape[::-1]))[:-1][::-1]
+    for d, st in enumerate(strides):
+        if n >= st and n % st == 0:
+            return d, n // int(st)
+    return None
+
+
+def _first(test, n: int, chunk: int = 1 << 22) -> int | None:
+    """The first index i < n where test(a, b) (a bool array for [a, b)) is True, or None."""
+    for a in range(0, n, chunk):
+        hit = np.flatnonzero(test(a, min(n, a + chunk)))
+        if len(hit):
+            return a + int(hit[0])
+    return None
+
+
+def infer_levels(E: np.ndarray, shape: tuple[int, ...]) -> tuple | None:
+    """The levels (outermost first) of the region that E (element indices; PAD, FOREIGN)
+    starts with, or None. E[0] must be element 0."""
+    if len(E) == 0 or E[0] != 0:
+        return None
+    levels = []
+    block = 1
+    while block < len(E):
+        starts = E[: len(E) // block * block : block]  # whole blocks only
+        k = _first(lambda a, b, starts=starts: starts[1:][a:b] >= 0, len(starts) - 1)
+        if k is None:
+            break
+        k += 1
+        delta = int(starts[k])
+        if delta <= 0 or delta % k:
+            break
+        step = delta // k
+
+        def off(a, b, step=step, starts=starts):
+            expect = np.arange(a, b, dtype=np.int64) * step
+            return (starts[a:b] != expect) & (starts[a:b] != PAD)
+
+        bad = _first(off, len(starts))
+        count = len(starts) if bad is None else bad
+        if count < 2:
+            break
+        ds = _steps(step, shape)
+        if ds is None:
+            return None
+        levels.append((ds[0], ds[1], count))
+        block *= count
+    if not levels:
+        levels = [(len(shape) - 1, 1, 1)]
+    return tuple(reversed(levels))
+
+
+def _check(region: Region, E: np.ndarray) -> bool:
+    n = int(np.prod(region.shape, dtype=np.int64))
+    if region.size() > len(E):
+        return False
+    want = region.pack(np.arange(n, dtype=np.int32), fill=PAD)
+    return len(E) >= len(want) and np.array_equal(E[: len(want)], want)
+
+
+def learn_entry(
+    coded: np.ndarray, decoder: _Decoder, shapes: dict[str, tuple[int, ...]], itemsize: int = 4
+):
+    """(regions, failed params, unexplained byte spans) of one coded output entry (uint8)."""
+    words = coded[: len(coded) // 4 * 4].view(np.uint32)
+    n = len(words)
+    regions: list[Region] = []
+    failed: set[str] = set()
+    other: list[tuple[int, int]] = []
+    pos = 0
+    chunk = 1 << 16
+    while pos < n:
+        # the next coded word
+        j = None
+        while pos < n:
+            p, e = decoder.decode(words[pos : pos + chunk])
+            hit = np.flatnonzero(p >= 0)
+            nz = np.flatnonzero(words[pos : pos + (int(hit[0]) if len(hit) else chunk)] != 0)
+            if len(nz):
+                other.append((pos * 4, (pos + int(nz[-1]) + 1) * 4))
+            if len(hit):
+                j = pos + int(hit[0])
+                break
+            pos += chunk
+        if j is None:
+            break
+        p, e = decoder.decode(words[j : j + 1])
+        key = decoder.keys[int(p[0])]
+        shape = squeeze(shapes[key])
+        size = int(np.prod(shape, dtype=np.int64))
+        if int(e[0]) != 0:
+            failed.add(key)
+            pos = j + _run_of(decoder, words, j, int(p[0]))
+            continue
+        # a region is its weight plus padding: read a little more than the weight, and more
+        # only while the region may go on past what was read (up to 4x the weight)
+        region, span = None, size + (1 << 16)
+        while region is None:
+            end = min(n, j + span)
+            E = decoder.elements(words[j:end], int(p[0]))
+            bounded = end == n or len(E) < end - j  # ends at the data's end or another weight
+            for cand in merged_shapes(shape):
+                levels = infer_levels(E, cand)
+                if levels and _check(r := Region(key, j * itemsize, cand, levels), E):
+                    region = r
+                    break
+            if region is not None or bounded or span >= 4 * size + (1 << 16):
+                break
+            span = 4 * size + (1 << 16)
+        if region is None:
+            failed.add(key)
+            pos = j + _run_of(decoder, words, j, int(p[0]))
+            continue
+        regions.append(region)
+        pos = j + region.size()
+    return regions, failed, other
+
+
+def _run_of(decoder: _Decoder, words: np.ndarray, j: int, p: int) -> int:
+    """Length of the stretch of words from j holding weight p's codes or padding."""
+    at, chunk = j, 1 << 22
+    while at < len(words):
+        pw, _ = decoder.decode(words[at : at + chunk])
+        bad = np.flatnonzero((pw != p) & (pw >= 0))
+        if len(bad):
+            return at + int(bad[0]) - j
+        at += chunk
+    return len(words) - j
+
+
+# -- learning and applying ----------------------------------------------------------------
+def learn(
+    encoder_vmfb: Path,
+    in_scope: str,
+    params: dict[str, tuple[tuple[int, ...], np.dtype]],
+    weight,
+    derived: set[str],
+    encoded: Path,
+    out_scope: str,
+    device,
+    work: Path,
+) -> Layout:
+    """Learn the layout of encoder_vmfb's output for the params {key: (shape, dtype)} of
+    in_scope, and verify it against `encoded` (the archive it wrote from the real weights,
+    `weight(key)`; `derived` keys are recomputed in numpy, so compared to 1e-5). `work`: a
+    temp file path for the coded output (removed)."""
+    import contextlib
+    import os
+
+    import iree.runtime as rt
+
+    from .encoder import run_encoder
+    from .pages import entry_views, zeroed_like
+
+    arrays, bases = coded_inputs(params)
+    index = rt.ParameterIndex()
+    keep = []
+    for key in params:
+        a = arrays.get(key)
+        if a is None:
+            a = np.ascontiguousarray(weight(key))
+            keep.append(a)
+        index.add_buffer(key, a.reshape(-1).view(np.uint8))
+    try:
+        sources = [index.create_provider(scope=in_scope)]
+        # Where the compiled archive is paged its layout is reused: the coded output takes
+        # the distinct pages only (6.7 GB instead of 11.5 for SD 1.5's UNet), each packed
+        # copy written through both places; every region is still checked on both.
+        if zeroed_like(encoded, work):
+            run_encoder(
+                encoder_vmfb, sources, out_scope, None, device, into=entry_views(work, write=True)
+            )
+        else:
+            run_encoder(encoder_vmfb, sources, out_scope, work, device)
+        del index, arrays, keep, sources
+        coded_views = entry_views(work)
+        real_views = entry_views(encoded)
+        shapes = {k: tuple(s) for k, (s, _) in params.items()}
+        decoder = _Decoder(bases, shapes)
+        layout = Layout(complete=set(coded_views) == set(real_views))
+        layout.unverified |= set(params) - set(bases)
+        for entry, coded in coded_views.items():
+            real = real_views.get(entry)
+            regions, failed, _ = learn_entry(coded, decoder, shapes)
+            layout.unverified |= failed
+            good = []
+            for r in regions:
+                if real is None or not _matches(r, weight(r.param), real, r.param in derived):
+                    layout.unverified.add(r.param)
+                good.append(r)
+            layout.entries[entry] = good
+            if real is None or not _rest_equal(good, coded, real):
+                layout.complete = False
+        return layout
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(work)
+
+
+def _matches(region: Region, w: np.ndarray, real: np.ndarray, approx: bool) -> bool:
+    packed = region.pack(w)
+    got = real[region.offset : region.offset + packed.nbytes]
+    if len(got) != packed.nbytes:
+        return False
+    if np.array_equal(got, packed.view(np.uint8)):
+        return True
+    if not approx:
+        return False
+    ref = got.view(packed.dtype).astype(np.float64)
+    return bool(np.allclose(ref, packed, rtol=1e-5, atol=1e-6 * max(1.0, np.abs(ref).max())))
+
+
+def _rest_equal(regions: list[Region], coded: np.ndarray, real: np.ndarray) -> bool:
+    """Whether every byte outside the regions is the same in the coded and the real output:
+    nothing there depends on the coded weights."""
+    if len(coded) != len(real):
+        return False
+    at = 0
+    for r in sorted(regions, key=lambda r: r.offset):
+        end = r.offset + r.size() * 4
+        if r.offset > at and not np.array_equal(coded[at : r.offset], real[at : r.offset]):
+            return False
+        at = max(at, end)
+    return bool(np.array_equal(coded[at:], real[at:]))
+
+
+def repack(layout: Layout, views: dict[str, np.ndarray], weights: dict[str, np.ndarray]) -> int:
+    """Write each weight's packed copies into views ({entry: writable uint8}); bytes written."""
+    by_param = layout.regions_of()
+    written = 0
+    for key, w in weights.items():
+        for entry, r in by_param.get(key, ()):
+            src = r.strided(w)
+            n = r.size() * src.itemsize
+            dst = views[entry][r.offset : r.offset + n].view(src.dtype).reshape(src.shape)
+            np.copyto(dst, src)  # straight into the (copy-on-write) pages: one copy
+            written += n
+    return written

@@ -1,0 +1,122 @@
+"""Encoded weights for a few replaced tensors without running the encoder (a LoRA on cpu).
+
+The submodule's encoded archive as compiled is mapped copy-on-write, and only the packed
+copies of the replaced tensors (and of the Winograd weights derived from replaced 3x3 convs)
+are written over it, re-packed in numpy by the encoder's learned layout (`layout`): the pages
+they touch become private memory, the rest stays the artifact's file. The layout is learned
+once per artifact (one encoder run on coded weights, about as long as one re-encode) and kept
+in the user cache; where it is not complete or a replaced tensor's layout did not verify, the
+caller runs the encoder instead.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ..fileutil import remove_stale_temps, sha256_json, temp_path_for, user_cache_dir
+from .archive import Archive
+from .layout import Layout, learn, repack
+from .pages import entry_views, splat_entries
+from .winograd import base_key, winograd_weight
+
+LAYOUT_CACHE = "encoded-layouts"  # under the user cache: <submodule>-<key>.json
+REPACK_ENV = "SDIREE_ENCODED_REPACK"  # "0": always run the encoder (A/B, debugging)
+# the most of the packed weights re-packed in numpy (a fraction); more goes to the encoder
+SHARE_ENV, SHARE_DEFAULT = "SDIREE_REPACK_MAX_SHARE", 0.25
+
+
+def _encoded_path(manifest, sub) -> Path | None:
+    paths = [manifest.path(p) for p, s in sub.archives() if s == sub.encoder.scope]
+    return paths[0] if len(paths) == 1 else None
+
+
+def layout_for(manifest, name: str, device, report: Callable[[str], None]) -> Layout | None:
+    """The learned layout of submodule name's encoder: from the cache, else learned now."""
+    sub = manifest.submodules[name]
+    encoded = _encoded_path(manifest, sub)
+    if sub.encoder is None or encoded is None:
+        return None
+    files = manifest.data.get("files", {})
+    rel = next(p for p, s in sub.archives() if s == sub.encoder.scope)
+    key = sha256_json({"encoder": files.get(sub.encoder.vmfb), "encoded": files.get(rel)})[:24]
+    cache = user_cache_dir() / LAYOUT_CACHE / f"{name}-{key}.json"
+    layout = Layout.load(cache) if cache.is_file() else None
+    if layout is not None:
+        return layout
+    own = [Archive(manifest.path(p)) for p, s in sub.archives() if s == sub.scope]
+    params: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    for a in own:
+        for k, e in a.entries.items():
+            if e.dtype is None or e.shape is None:
+                return None
+            params[k] = (e.shape, e.dtype)
+    for k, (shape, dtype) in sub.encoder.derived.items():
+        params[k] = (shape, np.dtype(dtype))
+
+    def weight(k: str) -> np.ndarray:
+        for a in own:
+            if k in a.entries:
+                return a.array(k)
+        return winograd_weight(weight(base_key(k)), params[k][0][0])
+
+    report(f"{name}: learning how the encoder packs its weights (once per artifact)")
+    t0 = time.perf_counter()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(cache.parent)
+    layout = learn(
+        manifest.path(sub.encoder.vmfb),
+        sub.scope,
+        params,
+        weight,
+        set(sub.encoder.derived),
+        encoded,
+        sub.encoder.scope,
+        device,
+        temp_path_for(cache.with_suffix(".irpa")),
+    )
+    layout.save(cache)
+    report(
+        f"{name}: layout learned in {time.perf_counter() - t0:.1f}s "
+        f"({'complete' if layout.complete else 'incomplete'}, "
+        f"{len(layout.unverified)} weights not verified)"
+    )
+    return layout
+
+
+def repacked_index(
+    manifest, name: str, layout: Layout, replaced: dict[str, np.ndarray], keep: list
+):
+    """The index of submodule name's encoded weights with `replaced` ({key: array} of its
+    scope) re-packed over the compiled ones, or None when the layout does not cover them."""
+    import iree.runtime as rt
+
+    sub = manifest.submodules[name]
+    derived = {d: shape for d, (shape, _) in sub.encoder.derived.items() if base_key(d) in replaced}
+    if not layout.covers([*replaced, *derived]):
+        return None
+    # Each re-packed page becomes private memory, every packed copy apart: past a share of
+    # the archive (a LoRA on every layer, a whole checkpoint) the encoder's file-backed
+    # output costs less memory.
+    by_param = layout.regions_of()
+    total = sum(r.size() for rs in layout.entries.values() for r in rs)
+    touched = sum(r.size() for p in [*replaced, *derived] for _, r in by_param.get(p, ()))
+    if total and touched > float(os.environ.get(SHARE_ENV, SHARE_DEFAULT)) * total:
+        return None
+    encoded = _encoded_path(manifest, sub)
+    views = entry_views(encoded, private=True)
+    weights = dict(replaced)
+    for d, shape in derived.items():
+        weights[d] = winograd_weight(replaced[base_key(d)], shape[0])
+    repack(layout, views, weights)
+    index = rt.ParameterIndex()
+    for key, pattern, length in splat_entries(encoded):
+        index.add_splat(key, np.frombuffer(pattern, np.uint8).copy(), length)
+    for key, view in views.items():
+        keep.append(view)
+        index.add_buffer(key, view)
+    return index

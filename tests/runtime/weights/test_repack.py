@@ -1,0 +1,117 @@
+"""runtime/weights/layout.py and repack.py: a few replaced weights re-packed in numpy by the
+encoder's learned layout give what running the encoder gives.
+
+The layout inference on synthetic codes (a data-tiled pack with padding is found; a shuffle
+that is no strided view is not), then through the compiled tiny cpu artifact: the learned
+layout is complete, a LoRA-like change re-packed in numpy makes the image the encoder path
+makes, bit for bit, and a weight whose layout did not verify sends the run to the encoder.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sdiree.runtime.device_select import choose_device
+from sdiree.runtime.manifest import load_manifest
+from sdiree.runtime.pipeline import GenerationRequest, Text2Image, resolve_request
+from sdiree.runtime.session import Session
+from sdiree.runtime.weights import repack
+from sdiree.runtime.weights.archive import Archive
+from sdiree.runtime.weights.layout import CODE_BASE, Region, _Decoder, learn_entry
+from sdiree.runtime.weights.overrides import WeightOverrides
+
+
+def _codes(pieces, bases):
+    """The uint8 bytes of a coded output made of (param, element indices or -1) pieces."""
+    words = [np.where(e >= 0, e + CODE_BASE + bases[k], 0).astype(np.uint32) for k, e in pieces]
+    return np.concatenate(words).view(np.uint8)
+
+
+def test_a_padded_tiled_pack_is_found_and_a_shuffle_is_not():
+    shapes = {"w": (20, 3), "v": (4, 4)}
+    bases = {"w": 0, "v": 60}
+    # w [N=20, K=3] packed as [N1=2, K=3, N0=16] with N padded to 32
+    tiled = Region("w", 0, (20, 3), ((0, 16, 2), (1, 1, 3), (0, 1, 16)))
+    want = tiled.pack(np.arange(60), fill=-1)
+    shuffled = np.random.default_rng(0).permutation(16)
+    shuffled[0] = 0  # starts at element 0, as a pack does
+    gap = np.full(16, -1)
+    coded = _codes([("w", want), ("w", gap), ("v", shuffled)], bases)
+    regions, failed, _ = learn_entry(coded, _Decoder(bases, shapes), shapes)
+    assert [(r.param, r.offset) for r in regions] == [("w", 0)]
+    np.testing.assert_array_equal(regions[0].pack(np.arange(60), fill=-1), want)
+    assert failed == {"v"}
+
+
+def _image(art, overrides):
+    m = load_manifest(art)
+    info, _ = choose_device(m, None)
+    req = resolve_request(m, GenerationRequest(prompt="a red boat", steps=3, seed=11))
+    session = Session(m, info, Text2Image.SUBMODULES, overrides)
+    return Text2Image(m, session).generate(req, progress=None).images
+
+
+def _lora_like(art):
+    """Attention, feed-forward and 3x3 conv weights of the UNet changed, as a LoRA does."""
+    a = Archive(art / "unet.irpa")
+    parts = ("attn1.to_q.weight", "attn2.to_k.weight", "ff.net.0.proj.weight", "conv1.weight")
+    keys = [k for k in a.entries if k.endswith(parts)]
+    rng = np.random.default_rng(5)
+    changed = {}
+    for k in keys:
+        w = np.array(a.array(k))
+        changed[k] = (w + 0.05 * rng.standard_normal(w.shape)).astype(w.dtype)
+    return WeightOverrides({"unet": changed}, digest="")
+
+
+def test_a_lora_repacked_in_numpy_makes_the_encoder_paths_image(
+    compiled, monkeypatch, tmp_path, capsys
+):
+    art = compiled.get("cpu", "host", "fp32")
+    monkeypatch.setenv("SDIREE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(repack.SHARE_ENV, "1")  # this change is 47% of the tiny UNet's packs
+    lora = _lora_like(art)
+    monkeypatch.setenv(repack.REPACK_ENV, "0")
+    encoded = _image(art, lora)
+    assert "unet: encoding the replaced weights" in capsys.readouterr().err
+    monkeypatch.setenv(repack.REPACK_ENV, "1")
+    fast = _image(art, lora)
+    err = capsys.readouterr().err
+    assert "learning how the encoder packs" in err and "(complete, 0 weights not" in err
+    assert "unet: re-packed" in err and "unet: encoding" not in err
+    np.testing.assert_array_equal(fast, encoded)
+    assert np.abs(fast - _image(art, None)).max() > 1e-3  # the change shows
+    again = _image(art, lora)  # the layout now comes from the cache
+    assert "learning" not in capsys.readouterr().err
+    np.testing.assert_array_equal(again, fast)
+    assert not list((tmp_path / "cache").rglob("*.irpa"))  # nothing re-encoded on disk
+
+
+def test_a_weight_whose_layout_did_not_verify_goes_through_the_encoder(
+    compiled, monkeypatch, tmp_path, capsys
+):
+    art = compiled.get("cpu", "host", "fp32")
+    monkeypatch.setenv("SDIREE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(repack.SHARE_ENV, "1")
+    lora = _lora_like(art)
+    learned = repack.layout_for
+
+    def distrusted(*args):
+        layout = learned(*args)
+        layout.unverified.add(next(iter(lora.tensors["unet"])))
+        return layout
+
+    monkeypatch.setattr("sdiree.runtime.weights.overrides.layout_for", distrusted)
+    fast_or_not = _image(art, lora)
+    assert "does not cover, to re-pack; encoding" in capsys.readouterr().err
+    monkeypatch.setenv(repack.REPACK_ENV, "0")
+    np.testing.assert_array_equal(fast_or_not, _image(art, lora))
+
+
+def test_a_change_past_the_share_goes_through_the_encoder(compiled, monkeypatch, tmp_path, capsys):
+    art = compiled.get("cpu", "host", "fp32")
+    monkeypatch.setenv("SDIREE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(repack.SHARE_ENV, "0.25")
+    _image(art, _lora_like(art))
+    err = capsys.readouterr().err
+    assert "unet: too many weights" in err and "unet: encoded in" in err
