@@ -54,10 +54,12 @@ def diffusers_images(
     size,
     per_image_seeds=False,
     scheduler_overrides=None,
+    call_overrides=None,
 ):
     """uint8 NHWC images from diffusers on the CPU, fp32: one CPU generator for all images, or
     with per_image_seeds a list of them seeded seed + i. scheduler_overrides change the model's
-    scheduler config (e.g. a wrong prediction_type, to show a test would see it)."""
+    scheduler config (e.g. a wrong prediction_type, to show a test would see it), call_overrides
+    the pipeline call's arguments (e.g. an SDXL time id)."""
     import json
 
     import diffusers
@@ -77,21 +79,21 @@ def diffusers_images(
     pipe.scheduler = getattr(diffusers, cls_name).from_config(
         pipe.scheduler.config, **overrides, **(scheduler_overrides or {})
     )
-    out = pipe(
-        prompt,
-        negative_prompt=negative or None,
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        generator=(
+    call = {
+        "negative_prompt": negative or None,
+        "num_inference_steps": steps,
+        "guidance_scale": guidance,
+        "generator": (
             [torch.Generator("cpu").manual_seed(seed + i) for i in range(n)]
             if per_image_seeds
             else torch.Generator("cpu").manual_seed(seed)
         ),
-        num_images_per_prompt=n,
-        height=size[0],
-        width=size[1],
-        output_type="np",
-    ).images
+        "num_images_per_prompt": n,
+        "height": size[0],
+        "width": size[1],
+        "output_type": "np",
+    }
+    out = pipe(prompt, **{**call, **(call_overrides or {})}).images
     return (out * 255).round().astype(np.uint8)
 
 
