@@ -232,7 +232,7 @@ def open_model(
     family = families.detect(index, _configs_for_detection(path, families), str(path))
     required = required_components(family)
     tokenizers = [te["tokenizer"] for te in family.text_encoders]
-    for comp in required:
+    for comp in required:  # every part named before any folder is looked into
         entry = index.get(comp)
         if not entry or (isinstance(entry, list) and entry[0] is None):
             raise UserError(
@@ -243,6 +243,7 @@ def open_model(
                 f"{index_path}: '{comp}' is {json.dumps(entry)[:60]}, but must be a "
                 f'[library, class] pair such as ["diffusers", "UNet2DConditionModel"]'
             )
+    for comp in required:
         folder = path / comp
         if not folder.is_dir():
             raise UserError(f"{path} is missing the submodule folder '{comp}/'")
