@@ -138,3 +138,25 @@ def test_sdiree_run_writes_the_sdxl_image_with_its_parameters(compiled_sdxl, tmp
     assert "Seed: 42, Size: 64x64," in params and "Model: tiny-sdxl," in params
     ref = diffusers_images(compiled_sdxl.model, "euler", 8, 7.5, 42, PROMPT, NEGATIVE, 1, SIZE)
     assert psnr(np.asarray(img)[None], ref) >= 40.0
+
+
+def test_sdxl_img2img_matches_diffusers(compiled_sdxl):
+    import diffusers
+    import torch
+    from edit_parity import pattern_image, sdiree_edit_images
+    from PIL import Image
+
+    art = compiled_sdxl.get("cpu", "host", "fp32")
+    init = pattern_image(*SIZE)
+    args = ("euler", 8, 7.5, 42, PROMPT, NEGATIVE, 1)
+    ours, _ = sdiree_edit_images(art, *args, init, None, 0.6)
+    pipe = diffusers.StableDiffusionXLImg2ImgPipeline.from_pretrained(
+        compiled_sdxl.model, add_watermarker=False, local_files_only=True
+    )
+    pipe.set_progress_bar_config(disable=True)
+    ref = pipe(
+        PROMPT, negative_prompt=NEGATIVE, image=Image.fromarray(init), strength=0.6,
+        num_inference_steps=8, guidance_scale=7.5,
+        generator=torch.Generator("cpu").manual_seed(42), output_type="np",
+    ).images  # fmt: skip
+    assert psnr(ours, (ref * 255).round().astype(np.uint8)) >= 40.0
