@@ -146,6 +146,8 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
             f"not one an {family.label} model uses ({', '.join(family.prediction_types)})"
         )
 
+    _check_added_conditioning(family, configs, model.path)
+
     arch = opts.arch or target.default_arch
     if arch == "auto":
         arch, why = arch_select.auto_arch(target)
@@ -217,6 +219,26 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
     )
     _say_vae_precision(plan, reporter)
     return plan
+
+
+def _check_added_conditioning(family, configs: dict, where: Path) -> None:
+    """The UNet's added embedding takes what the family's recipe gives it: the pooled text's
+    width plus a sinusoidal embedding per time id (SDXL: 1280 + 6 x 256 = 2816)."""
+    spec = family.unet_conditioning
+    if not spec:
+        return
+    unet = configs["unet"]
+    pooled = configs[spec["text_embeds"]].get("projection_dim")
+    per_id = unet.get("addition_time_embed_dim")
+    want = unet.get("projection_class_embeddings_input_dim")
+    ids = 2 * len(spec["time_ids"])
+    if not all(isinstance(v, int) for v in (pooled, per_id, want)) or pooled + ids * per_id != want:
+        raise UserError(
+            f"{where}: unet/config.json's projection_class_embeddings_input_dim {want} is not "
+            f"{spec['text_embeds']}'s projection_dim {pooled} + {ids} time ids x "
+            f"addition_time_embed_dim {per_id}: the UNet and text encoders come from different "
+            "models; re-download or re-save the model"
+        )
 
 
 def _say_vae_precision(plan: Plan, reporter: Reporter) -> None:

@@ -194,3 +194,12 @@ def test_sdxl_folder_is_read_without_a_traceback(tiny_sdxl_model, tmp_path):
         shutil.copytree(tiny_sdxl_model, bad)
         (bad / "text_encoder_2" / "config.json").write_text("{}")
         resolve(CompileOptions(model_dir=bad, target="cpu"), Reporter(stream=io.StringIO()))
+
+
+def test_a_second_encoder_of_another_width_is_one_line(tiny_sdxl_model, tmp_path):
+    model = tmp_path / "other-te2"
+    shutil.copytree(tiny_sdxl_model, model)
+    cfg_path = model / "text_encoder_2" / "config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "projection_dim": 24}))
+    msg = _one_line(model, tmp_path)
+    assert "projection_class_embeddings_input_dim 64" in msg and "projection_dim 24" in msg
