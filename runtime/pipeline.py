@@ -209,6 +209,12 @@ def pipeline_submodules(manifest: Manifest, cls: type[Text2Image]) -> tuple[str,
     return tuple(dict.fromkeys(subs))
 
 
+def _as_inputs(cond) -> tuple[np.ndarray, ...]:
+    """A prompt's UNet inputs as a tuple (an encode_text replaced by a caller may give the
+    hidden states alone, as before the UNet took more)."""
+    return (cond,) if isinstance(cond, np.ndarray) else tuple(cond)
+
+
 def make_generator(req: GenerationRequest):
     """The run's noise source: one generator per image seeded seed + i, or one for all."""
     if req.per_image_seeds:
@@ -328,8 +334,8 @@ class Text2Image:
         cfg = req.guidance_scale > 1.0
 
         t0 = time.perf_counter()
-        cond = self.encode_text(req.prompt, warnings)
-        uncond = self.encode_negative(req.negative_prompt, cond) if cfg else None
+        cond = _as_inputs(self.encode_text(req.prompt, warnings))
+        uncond = _as_inputs(self.encode_negative(req.negative_prompt, cond)) if cfg else None
         timings.text_encoding = time.perf_counter() - t0
 
         generator = make_generator(req)
