@@ -571,16 +571,17 @@ def _up_to_date(b: Builder, state: dict) -> bool:
 def _copy_runtime_files(plan: Plan, r: Reporter) -> dict[str, Path]:
     """Tokenizer files and the scheduler config, which the torch-free runtime reads."""
     files = {}
-    tok_src = plan.model.path / "tokenizer"
-    tok_dst = plan.out / "tokenizer"
-    tok_dst.mkdir(exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if (tok_src / name).is_file():
-            atomic_copy(tok_src / name, tok_dst / name)
-            files[f"tokenizer/{name}"] = tok_dst / name
-    for needed in ("vocab.json", "merges.txt"):
-        if f"tokenizer/{needed}" not in files:
-            raise UserError(f"{tok_src} has no {needed}; sdiree needs a CLIP BPE tokenizer")
+    for tok in dict.fromkeys(te["tokenizer"] for te in plan.family.text_encoders):
+        tok_src = plan.model.path / tok
+        tok_dst = plan.out / tok
+        tok_dst.mkdir(exist_ok=True)
+        for name in TOKENIZER_FILES:
+            if (tok_src / name).is_file():
+                atomic_copy(tok_src / name, tok_dst / name)
+                files[f"{tok}/{name}"] = tok_dst / name
+        for needed in ("vocab.json", "merges.txt"):
+            if f"{tok}/{needed}" not in files:
+                raise UserError(f"{tok_src} has no {needed}; sdiree needs a CLIP BPE tokenizer")
     sched_dst = plan.out / "scheduler"
     sched_dst.mkdir(exist_ok=True)
     atomic_copy(

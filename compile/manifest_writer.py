@@ -24,13 +24,39 @@ def _rel(path: Path, root: Path) -> str:
 def _text_encoder_entry(plan, recipe: dict) -> dict:
     """One text encoder of the family's recipe (specs/families.json), with its config's sizes."""
     cfg = plan.configs[recipe["submodule"]]
+    hidden = recipe.get("hidden_states", "last")
     return {
         "submodule": recipe["submodule"],
         "max_length": cfg.get("max_position_embeddings", 77),
         "hidden_size": cfg["hidden_size"],
         "tokenizer": recipe["tokenizer"],
         "pooled": recipe["pooled"],
+        # the last layer's unless it says otherwise (manifests of SD 1.x/2.x leave it out)
+        **({"hidden_states": hidden} if hidden != "last" else {}),
     }
+
+
+def _family_fields(plan) -> dict:
+    """What a family adds to the manifest beside the text encoders: the UNet's added
+    conditioning and how an empty negative prompt is encoded (`conditioning`), and which dtype
+    the VAE was compiled in where the family's policy decides it (`vae_precision`)."""
+    family, fields = plan.family, {}
+    if family.unet_conditioning:
+        zero = family.zero_empty_negative or {}
+        flag = plan.model.index.get(zero["index_key"], zero["default"]) if zero else False
+        fields["conditioning"] = {
+            "text_embeds": family.unet_conditioning["text_embeds"],
+            "time_ids": list(family.unet_conditioning["time_ids"]),
+            "zero_empty_negative": flag is True,
+        }
+    if family.vae_upcast:
+        key = family.vae_upcast["config_key"]
+        fields["vae_precision"] = {
+            "dtype": plan.submodule_export_dtype("vae_decoder"),
+            "upcast": plan.vae_upcast,
+            "config": {key: plan.configs["vae"].get(key, family.vae_upcast["default"])},
+        }
+    return fields
 
 
 def _source_file(model_dir: Path) -> dict:
@@ -143,6 +169,7 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
             "mean and std",
         },
         "text_encoders": [_text_encoder_entry(plan, te) for te in family.text_encoders],
+        **_family_fields(plan),
         "scheduler": {
             "config": "scheduler/scheduler_config.json",
             "class": plan.model.index.get("scheduler", [None, None])[1],

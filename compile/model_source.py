@@ -43,6 +43,11 @@ CONFIG_KEYS = {
     ),
     "vae": (("block_out_channels", "sizes", True), ("scaling_factor", "number", False)),
     "text_encoder": (("hidden_size", "size", True), ("max_position_embeddings", "size", False)),
+    "text_encoder_2": (
+        ("hidden_size", "size", True),
+        ("max_position_embeddings", "size", False),
+        ("projection_dim", "size", True),
+    ),
     "scheduler": (
         ("num_train_timesteps", "size", False),
         ("beta_start", "number", False),
@@ -226,29 +231,34 @@ def open_model(
     families = load_families()
     family = families.detect(index, _configs_for_detection(path, families), str(path))
     required = required_components(family)
-    for comp in required:
+    tokenizers = [te["tokenizer"] for te in family.text_encoders]
+    for comp in required:  # every part named before any folder is looked into
         entry = index.get(comp)
         if not entry or (isinstance(entry, list) and entry[0] is None):
-            raise UserError(f"{path}: model_index.json lists no '{comp}'; an SD model needs one")
+            raise UserError(
+                f"{path}: model_index.json lists no '{comp}'; an {family.label} model needs one"
+            )
         if not _is_pair(entry):
             raise UserError(
                 f"{index_path}: '{comp}' is {json.dumps(entry)[:60]}, but must be a "
                 f'[library, class] pair such as ["diffusers", "UNet2DConditionModel"]'
             )
+    for comp in required:
         folder = path / comp
         if not folder.is_dir():
             raise UserError(f"{path} is missing the submodule folder '{comp}/'")
-        if comp not in ("tokenizer", "scheduler") and not any(
+        if comp not in (*tokenizers, "scheduler") and not any(
             p.name.endswith(WEIGHT_SUFFIXES) for p in folder.iterdir()
         ):
             raise UserError(f"{folder} holds no weights (*.safetensors or *.bin)")
-    for name in TOKENIZER_NEEDS:
-        if not (path / "tokenizer" / name).is_file():
-            raise UserError(
-                f"{path / 'tokenizer'} has no {name}; sdiree needs a CLIP BPE tokenizer "
-                f"({' and '.join(TOKENIZER_NEEDS)})"
-            )
-    read_json_object(path / "tokenizer" / "vocab.json", "a tokenizer vocabulary")
+    for tokenizer in tokenizers:
+        for name in TOKENIZER_NEEDS:
+            if not (path / tokenizer / name).is_file():
+                raise UserError(
+                    f"{path / tokenizer} has no {name}; sdiree needs a CLIP BPE tokenizer "
+                    f"({' and '.join(TOKENIZER_NEEDS)})"
+                )
+        read_json_object(path / tokenizer / "vocab.json", "a tokenizer vocabulary")
     for comp in required:
         _check_class(index_path, comp, *index[comp])
     for comp, classes in family.classes.items():

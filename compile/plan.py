@@ -9,6 +9,7 @@ writes nothing; compile/driver.py then builds the Plan.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +43,8 @@ class CompileOptions:
     out: Path | None = None
     specs_dir: Path | None = None
     artifacts_root: Path = Path("artifacts")
-    submodules: tuple[str, ...] = SUBMODULES
+    # None: every submodule of the model's family (specs/families.json)
+    submodules: tuple[str, ...] | None = None
     # Side in px of the VAE's tiles (`--vae-tile`): None, the VAE config's sample_size (as
     # diffusers' enable_tiling); 0, never tile.
     vae_tile: int | None = None
@@ -100,6 +102,20 @@ class Plan:
         return self.target.export_dtype(self.dtype)
 
     @property
+    def vae_upcast(self) -> bool:
+        """The VAE is exported in fp32 though the build is fp16: the family says its VAE
+        overflows in fp16 (`vae_upcast`) and the VAE's config does not say otherwise."""
+        policy = self.family.vae_upcast
+        if not policy or self.export_dtype != "fp16":
+            return False
+        return bool(self.configs["vae"].get(policy["config_key"], policy["default"]))
+
+    def submodule_export_dtype(self, submodule: str) -> str:
+        """The dtype one submodule is exported in: the build's, or fp32 for an upcast VAE."""
+        component = self.family.submodules[submodule]["component"]
+        return "fp32" if component == "vae" and self.vae_upcast else self.export_dtype
+
+    @property
     def latent_hw(self) -> tuple[int, int]:
         f = self.vae_factor
         return self.height // f, self.width // f
@@ -121,13 +137,16 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
         say=reporter.say,
     )
     family = model.family
-    configs = {c: model.config(c) for c in ("unet", "vae", "text_encoder", "scheduler")}
+    components = ["unet", "vae", *(te["submodule"] for te in family.text_encoders), "scheduler"]
+    configs = {c: model.config(c) for c in dict.fromkeys(components)}
     prediction = configs["scheduler"].get("prediction_type", "epsilon")
     if prediction not in family.prediction_types:
         raise UserError(
             f"{model.path}/scheduler/scheduler_config.json: prediction_type {prediction!r} is "
             f"not one an {family.label} model uses ({', '.join(family.prediction_types)})"
         )
+
+    _check_added_conditioning(family, configs, model.path)
 
     arch = opts.arch or target.default_arch
     if arch == "auto":
@@ -177,10 +196,11 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
     _check_writable(out)
     _check_writable(shared, f"the compile cache {shared}", f"set {CACHE_ENV} to a writable folder")
     known = tuple(family.submodules)
-    unknown = set(opts.submodules) - set(known)
+    submodules = known if opts.submodules is None else tuple(opts.submodules)
+    unknown = set(submodules) - set(known)
     if unknown:
         raise UserError(f"unknown submodule(s) {sorted(unknown)}: choose from {known}")
-    return Plan(
+    plan = Plan(
         model=model,
         registry=registry,
         target=target,
@@ -191,12 +211,51 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
         batch_size=opts.batch_size,
         out=out,
         shared=shared,
-        submodules=tuple(opts.submodules),
+        submodules=submodules,
         configs=configs,
         explicit_out=opts.out is not None,
         vae_tile=vae_tile,
         vae_file=_vae_file(opts.vae),
     )
+    _say_vae_precision(plan, reporter)
+    return plan
+
+
+def _check_added_conditioning(family, configs: dict, where: Path) -> None:
+    """The UNet's added embedding takes what the family's recipe gives it: the pooled text's
+    width plus a sinusoidal embedding per time id (SDXL: 1280 + 6 x 256 = 2816)."""
+    spec = family.unet_conditioning
+    if not spec:
+        return
+    unet = configs["unet"]
+    pooled = configs[spec["text_embeds"]].get("projection_dim")
+    per_id = unet.get("addition_time_embed_dim")
+    want = unet.get("projection_class_embeddings_input_dim")
+    ids = 2 * len(spec["time_ids"])
+    if not all(isinstance(v, int) for v in (pooled, per_id, want)) or pooled + ids * per_id != want:
+        raise UserError(
+            f"{where}: unet/config.json's projection_class_embeddings_input_dim {want} is not "
+            f"{spec['text_embeds']}'s projection_dim {pooled} + {ids} time ids x "
+            f"addition_time_embed_dim {per_id}: the UNet and text encoders come from different "
+            "models; re-download or re-save the model"
+        )
+
+
+def _say_vae_precision(plan: Plan, reporter: Reporter) -> None:
+    """Where the family's VAE may overflow in fp16 and the build is fp16, which dtype the VAE
+    gets and why (the manifest records it too: `vae_precision`)."""
+    policy = plan.family.vae_upcast
+    if not policy or plan.export_dtype != "fp16":
+        return
+    key = policy["config_key"]
+    if plan.vae_upcast:
+        reporter.say(
+            f"VAE: compiled in fp32, not fp16 (vae/config.json {key}: "
+            f"{json.dumps(plan.configs['vae'].get(key, policy['default']))}; "
+            f"{plan.family.label}'s VAE overflows in fp16)"
+        )
+    else:
+        reporter.say(f"VAE: compiled in fp16 (vae/config.json {key}: false, an fp16-safe VAE)")
 
 
 def _vae_file(path: Path | None) -> Path | None:

@@ -70,6 +70,10 @@ def make_inputs(manifest: Manifest, submodule: str, function: str, seed: int) ->
             out.append(np.full(t.shape, 12, dtype=np.int64))  # the end token's position
         elif t.name == "timestep":
             out.append(np.array([500.0], dtype=np.float32))
+        elif t.name == "time_ids":  # SDXL's (original size, crop top-left, target size)
+            img = manifest.image
+            ids = [img["height"], img["width"], 0, 0, img["height"], img["width"]]
+            out.append(np.broadcast_to(np.array(ids[: t.shape[-1]], t.dtype), t.shape).copy())
         elif t.name == "image":
             out.append(rng.uniform(-1, 1, size=t.shape).astype(t.dtype))
         else:
@@ -87,24 +91,30 @@ def _torch_reference(model_dir: Path, manifest: Manifest):
     from .model_source import open_model
 
     model = open_model(model_dir)
-    rounding = manifest.dtype == "fp16"
     cache = {}
 
-    def component(name):
-        if name not in cache:
+    def component(name, submodule):
+        # weights rounded to fp16 where the module computes in fp16 (not an upcast fp32 VAE)
+        decl = next(iter(manifest.submodules[submodule].functions.values()))
+        rounding = any(t.dtype == "float16" for t in decl.inputs)
+        if (name, rounding) not in cache:
             m = model.load(name).eval()
             if rounding:
                 m = m.half().float()
-            cache[name] = m
-        return cache[name]
+            cache[name, rounding] = m
+        return cache[name, rounding]
 
     sf = manifest.data["vae_scaling"]["factor"]
     entries = {
-        "text_encoder": lambda: TextEncoderEntry(component("text_encoder")),
-        "unet": lambda: UNetEntry(component("unet")),
-        "vae_decoder": lambda: VaeDecodeEntry(component("vae"), sf),
-        "vae_encoder": lambda: VaeEncodeEntry(component("vae"), sf),
+        "unet": lambda: UNetEntry(component("unet", "unet")),
+        "vae_decoder": lambda: VaeDecodeEntry(component("vae", "vae_decoder"), sf),
+        "vae_encoder": lambda: VaeEncodeEntry(component("vae", "vae_encoder"), sf),
     }
+    for te in manifest.data["text_encoders"]:  # each with its recipe's hidden states
+        sub = te.get("submodule", "text_encoder")
+        entries[sub] = lambda sub=sub, te=te: TextEncoderEntry(
+            component(sub, sub), te.get("hidden_states", "last")
+        )
 
     def run(submodule, inputs):
         entry = entries[submodule]()

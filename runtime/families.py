@@ -42,6 +42,9 @@ FAMILY_FIELDS = {
     "text_encoders": list,
     "pipeline": str,
     "pipeline_variants": dict,
+    "unet_conditioning": dict,
+    "zero_empty_negative": dict,
+    "vae_upcast": dict,
 }
 SUPPORTED_NEEDS = ("submodules", "text_encoders", "pipeline", "size_multiple", "classes")
 TOP_FIELDS = {
@@ -72,6 +75,15 @@ class Family:
     pipeline: str = ""
     # {pipeline: {component: {config key: [values]}}}: folders matching it run that pipeline
     pipeline_variants: dict | None = None
+    # The UNet's inputs besides the text ({"text_embeds": the text-encoder submodule whose
+    # pooled output it takes, "time_ids": [what each pair of ids is]}); None: the text only.
+    unet_conditioning: dict | None = None
+    # {"index_key": model_index.json key, "default": value when absent}: where it is true, an
+    # empty negative prompt is zeros rather than the encoded "" (SDXL's force_zeros_for_empty_prompt)
+    zero_empty_negative: dict | None = None
+    # {"config_key": VAE config key, "default": value when absent}: where it is true and the
+    # target computes in fp16, the VAE is compiled in fp32 (SDXL's VAE overflows in fp16)
+    vae_upcast: dict | None = None
 
     @property
     def supported(self) -> bool:
@@ -195,6 +207,9 @@ def _load(path: Path) -> Families:
             text_encoders=tuple(f.get("text_encoders", ())),
             pipeline=f.get("pipeline", ""),
             pipeline_variants=f.get("pipeline_variants"),
+            unet_conditioning=f.get("unet_conditioning"),
+            zero_empty_negative=f.get("zero_empty_negative"),
+            vae_upcast=f.get("vae_upcast"),
         )
         for name, f in data["families"].items()
     }
@@ -293,6 +308,8 @@ def _check_text_dim(fam: Family, found: dict, where: str) -> None:
     if dim != sum(sizes):
         raise UserError(
             f"{where}: unet/config.json's cross_attention_dim {dim} does not match the text "
-            f"encoder's hidden_size {sum(sizes)}: the UNet and text encoder come from different "
-            "models; re-download or re-save the model"
+            f"{'encoders' if len(sizes) > 1 else 'encoder'}'{'' if len(sizes) > 1 else 's'} "
+            f"hidden_size {' + '.join(map(str, sizes))}: "
+            "the UNet and text encoder come from different models; re-download or re-save the "
+            "model"
         )

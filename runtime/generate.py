@@ -32,7 +32,7 @@ from .image_output import (
     to_uint8,
 )
 from .manifest import HASH_CACHE, Manifest, check_files, load_manifest
-from .pipeline import GenerationRequest, pipeline_class, resolve_request
+from .pipeline import GenerationRequest, pipeline_class, pipeline_submodules, resolve_request
 from .session import with_fresh_device_on_loss
 from .text_inputs import TextInputs
 from .weights.sources import LoraRequest, build_overrides, parse_lora_option
@@ -189,9 +189,21 @@ def generate_to_files(
         provenance.vae_hash = str(compiled_vae.get("sha256", ""))[:10]
     for req_lora in lora_requests:
         say(f"LoRA: {req_lora.path} at {req_lora.strength:g}")
-    text_inputs = TextInputs.for_artifact(
-        manifest, embedding_files, replaced=overrides.tensors.get("text_encoder")
-    )
+    encoders = [te.get("submodule", "text_encoder") for te in manifest.data["text_encoders"]]
+    if embedding_files and len(encoders) > 1:
+        raise UserError(
+            f"--embedding: textual-inversion embeddings are for models with one text encoder; "
+            f"this {manifest.family} model has {len(encoders)}; leave --embedding out"
+        )
+    text_inputs = [
+        TextInputs.for_artifact(
+            manifest,
+            embedding_files if i == 0 else (),
+            replaced=overrides.tensors.get(sub),
+            encoder=i,
+        )
+        for i, sub in enumerate(encoders)
+    ]
     for e in embedding_files:
         words = " or ".join(w for w, _ in e.words)
         say(f"embedding: {e.path} ({len(e.vectors)} vector(s)) as {words}")
@@ -213,7 +225,7 @@ def generate_to_files(
     result = with_fresh_device_on_loss(
         manifest,
         info,
-        pipeline.SUBMODULES,
+        pipeline_submodules(manifest, pipeline),
         lambda session: pipeline(manifest, session, text_inputs).generate(req),
         warn=lambda msg: say(f"warning: {msg}"),
         overrides=overrides or None,

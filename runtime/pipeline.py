@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import schedulers
+from .conditioning import Conditioner, text_encoder_submodules
 from .embeddings import Embedding
 from .errors import UserError
 from .families import PIPELINES
@@ -199,6 +200,21 @@ def pipeline_class(req: GenerationRequest) -> type[Text2Image]:
     return Inpaint
 
 
+def pipeline_submodules(manifest: Manifest, cls: type[Text2Image]) -> tuple[str, ...]:
+    """The submodules a pipeline class opens for this artifact: its own, with "text_encoder"
+    standing for every text encoder of the artifact's recipe (SDXL: two)."""
+    subs: list[str] = []
+    for s in cls.SUBMODULES:
+        subs += text_encoder_submodules(manifest) if s == "text_encoder" else [s]
+    return tuple(dict.fromkeys(subs))
+
+
+def _as_inputs(cond) -> tuple[np.ndarray, ...]:
+    """A prompt's UNet inputs as a tuple (an encode_text replaced by a caller may give the
+    hidden states alone, as before the UNet took more)."""
+    return (cond,) if isinstance(cond, np.ndarray) else tuple(cond)
+
+
 def make_generator(req: GenerationRequest):
     """The run's noise source: one generator per image seeded seed + i, or one for all."""
     if req.per_image_seeds:
@@ -257,20 +273,39 @@ def progress_bar(done: int, total: int, elapsed: float, stream=sys.stderr) -> No
 class Text2Image:
     SUBMODULES = ("text_encoder", "unet", "vae_decoder")
 
-    def __init__(self, manifest: Manifest, session: Session, text_inputs: TextInputs | None = None):
+    def __init__(
+        self,
+        manifest: Manifest,
+        session: Session,
+        text_inputs: TextInputs | list[TextInputs] | None = None,
+    ):
         self.manifest = manifest
         self.session = session
-        self.text_inputs = text_inputs or TextInputs.for_artifact(manifest)
+        # one TextInputs per text encoder; those not given read the artifact's own
+        given = [text_inputs] if isinstance(text_inputs, TextInputs) else list(text_inputs or [])
+        count = len(text_encoder_submodules(manifest))
+        all_inputs = given + [
+            TextInputs.for_artifact(manifest, encoder=i) for i in range(len(given), count)
+        ]
+        self.text_inputs = all_inputs[0]
         self.tokenizer = self.text_inputs.tokenizer
+        self.conditioner = Conditioner(manifest, session, all_inputs)
         self.used_embeddings: dict[str, Embedding] = {}
         self.batch = manifest.image["batch_size"]
         unet = manifest.submodules["unet"].functions
         self.dtype = np.dtype(unet["denoise"].inputs[0].dtype)
+        # the VAE's own dtype: fp32 in an fp16 build whose family upcasts it (SDXL)
+        self.vae_dtype = np.dtype(
+            manifest.submodules["vae_decoder"].functions["decode"].inputs[0].dtype
+            if "vae_decoder" in manifest.submodules
+            else self.dtype
+        )
         # Artifacts before exporter revision 6 take the guided call's latents twice.
         self.cfg_repeats = unet["denoise_cfg"].inputs[0].shape[0] // self.batch
 
-    def encode_text(self, text: str, warnings: list[str]) -> np.ndarray:
-        enc = self.text_inputs.encode(text)
+    def encode_text(self, text: str, warnings: list[str]) -> tuple[np.ndarray, ...]:
+        """The UNet's conditioning inputs for text (runtime/conditioning.py)."""
+        cond, enc = self.conditioner.encode(text)
         if enc.num_truncated:
             warnings.append(
                 f"the prompt is too long for the text encoder: {enc.num_truncated} token(s) "
@@ -278,9 +313,14 @@ class Text2Image:
             )
         for e in enc.used:
             self.used_embeddings.setdefault(e.name, e)
-        args = self.text_inputs.arguments(enc)
-        hidden, _pooled = self.session.call("text_encoder", "encode", *args)
-        return hidden
+        return cond
+
+    def encode_negative(self, text: str, cond: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+        """The unconditional half's inputs: the negative prompt encoded, or zeros for an empty
+        one where the model asks for that (SDXL's force_zeros_for_empty_prompt)."""
+        if not text and self.conditioner.zero_empty_negative:
+            return self.conditioner.zeros_like(cond)
+        return self.encode_text(text, [])
 
     def generate(
         self,
@@ -294,8 +334,8 @@ class Text2Image:
         cfg = req.guidance_scale > 1.0
 
         t0 = time.perf_counter()
-        cond = self.encode_text(req.prompt, warnings)
-        uncond = self.encode_text(req.negative_prompt, []) if cfg else None
+        cond = _as_inputs(self.encode_text(req.prompt, warnings))
+        uncond = _as_inputs(self.encode_negative(req.negative_prompt, cond)) if cfg else None
         timings.text_encoding = time.perf_counter() - t0
 
         generator = make_generator(req)
@@ -311,7 +351,7 @@ class Text2Image:
 
         t0 = time.perf_counter()
         images = decode_latents(
-            self.session, latents, self.batch, self.dtype, manifest=self.manifest,
+            self.session, latents, self.batch, self.vae_dtype, manifest=self.manifest,
             mode=req.vae_tiling,
         )  # fmt: skip
         timings.decode = time.perf_counter() - t0
@@ -351,7 +391,11 @@ class Text2Image:
 
     def _denoise(self, latents, timesteps, sched, cond, uncond, req, generator, timings, progress):
         guided = uncond is not None
-        text = np.concatenate([uncond, cond]) if guided else cond
+        text = (
+            tuple(np.concatenate([u, c]) for u, c in zip(uncond, cond, strict=True))
+            if guided
+            else cond
+        )
         scale = np.float32(req.guidance_scale) if guided else None
         loop_start = time.perf_counter()
         for i, t in enumerate(timesteps):
@@ -380,9 +424,9 @@ class Text2Image:
         if n < self.batch:
             x = np.concatenate([x, np.zeros((self.batch - n, *x.shape[1:]), x.dtype)])
         if scale is None:
-            (eps,) = self.session.call("unet", "denoise", x, tstep, text)
+            (eps,) = self.session.call("unet", "denoise", x, tstep, *text)
             return eps[:n].astype(np.float32)
         x = np.concatenate([x] * self.cfg_repeats)
-        (eps,) = self.session.call("unet", "denoise_cfg", x, tstep, text)
+        (eps,) = self.session.call("unet", "denoise_cfg", x, tstep, *text)
         e_uncond, e_text = np.split(eps.astype(np.float32), 2)
         return (e_uncond + scale * (e_text - e_uncond))[:n]

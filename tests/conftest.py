@@ -1,5 +1,5 @@
-"""Shared fixtures: the tiny SD 1.x and SD 2.x models and their compiled artifacts, built once
-per session (`compiled`, `compiled_sd2`).
+"""Shared fixtures: the tiny SD 1.x, SD 2.x and SDXL models and their compiled artifacts, built
+once per session (`compiled`, `compiled_sd2`, `compiled_sdxl`).
 
 Artifacts are compiled through the same code path as `sdiree compile` and cached for the whole
 test session, so compile tests and runtime tests share them. When the compile tests are
@@ -55,6 +55,16 @@ def tiny_inpaint_model(tmp_path_factory) -> Path:
     return make_tiny_sd(tmp_path_factory.mktemp("models") / "tiny-sd-inpaint", seed=0, inpaint=True)
 
 
+@pytest.fixture(scope="session")
+def tiny_sdxl_model(tmp_path_factory) -> Path:
+    """A tiny SDXL base (two text encoders, text_time UNet, SDXL's Euler scheduler config, VAE
+    scaling 0.13025 with force_upcast), 64x64."""
+    pytest.importorskip("torch")
+    from make_tiny_sd import make_tiny_sd
+
+    return make_tiny_sd(tmp_path_factory.mktemp("models") / "tiny-sdxl", seed=0, family="sdxl")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache(tmp_path_factory) -> Path:
     """$SDIREE_CACHE for the session: where compiles with --out keep what artifacts share."""
@@ -80,12 +90,84 @@ AHEAD = (
     ("cuda", "sm_80", "fp16"),
     ("cpu", "host", "bf16"),
 )
+# The tiny SDXL's artifacts, compiled in the background (after the SD 1.x ones) when a test
+# that needs them is collected: cpu fp32 first, which the parity tests start with.
+SDXL_AHEAD = (
+    ("cpu", "host", "fp32"),
+    ("vulkan-spirv", "lavapipe", "fp32"),
+    ("rocm", "gfx942", "fp16"),
+    ("cuda", "sm_80", "fp16"),
+)
+SDXL_TESTS = ("tests/compile/test_sdxl_targets.py", "tests/runtime/test_sdxl_parity.py")
 _ahead_wanted = False
+_sdxl_ahead_wanted = False
 
 
 def pytest_collection_modifyitems(items):
-    global _ahead_wanted
+    global _ahead_wanted, _sdxl_ahead_wanted
     _ahead_wanted = any(i.nodeid.startswith("tests/compile/test_compile_targets.py") for i in items)
+    _sdxl_ahead_wanted = any(i.nodeid.startswith(SDXL_TESTS) for i in items)
+
+
+class AheadQueue:
+    """One background worker for every model's queued compiles, one `sdiree compile` process
+    at a time (a second one beside the tests would oversubscribe the 2 cores)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.items: list[tuple] = []  # (CompiledArtifacts, key), not started yet
+        self.proc: Popen | None = None
+        self.stopped = False
+        self._thread: threading.Thread | None = None
+
+    def add(self, owner, keys) -> None:
+        with self.lock:
+            self.items += [(owner, k) for k in keys]
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True)
+                self._thread.start()
+
+    def take_back(self, owner, key) -> bool:
+        """Remove a job not started yet (its test compiles it itself); True if it was queued."""
+        with self.lock:
+            if (owner, key) in self.items:
+                self.items.remove((owner, key))
+                return True
+            return False
+
+    def _next(self):
+        with self.lock:
+            if self.stopped or not self.items:
+                self._thread = None
+                return None
+            owner, key = self.items.pop(0)
+            owner._ahead[key] = Future()
+            return owner, key
+
+    def _run(self) -> None:
+        while (job := self._next()) is not None:
+            owner, key = job
+            try:
+                # its own process group: stop() kills it with its iree-compile child
+                self.proc = Popen(
+                    owner.command(key), stdout=PIPE, stderr=STDOUT, text=True,
+                    start_new_session=True,
+                )  # fmt: skip
+                output, _ = self.proc.communicate()
+                owner._ahead[key].set_result((self.proc.returncode, output))
+            except BaseException as error:  # handed to the test that waits for it
+                owner._ahead[key].set_exception(error)
+
+    def stop(self) -> None:
+        """At the session's end: no compile goes on writing into its temporary folders."""
+        with self.lock:
+            self.stopped = True
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+_AHEAD = AheadQueue()
 
 
 class CompiledArtifacts:
@@ -97,60 +179,31 @@ class CompiledArtifacts:
         self.model = model
         self.root = root
         self._done: dict = {}
-        self._lock = threading.Lock()
-        self._queue: list[tuple] = []  # not started yet
         self._ahead: dict[tuple, Future] = {}  # started in the background
-        self._proc: Popen | None = None
-        self._stopped = False
 
     def out_dir(self, target: str, arch: str, dtype: str) -> Path:
         return self.root / self.model.name / f"{target}-{arch}-{dtype}"
 
+    def command(self, key: tuple) -> list[str]:
+        target, arch, dtype = key
+        return [
+            sys.executable, "-m", "sdiree.runtime.cli", "compile", str(self.model),
+            "--target", target, "--arch", arch, "--dtype", dtype,
+            "--out", str(self.out_dir(*key)),
+        ]  # fmt: skip
+
     def compile_ahead(self, keys) -> None:
-        self._queue = list(keys)
-        threading.Thread(target=self._run_ahead, daemon=True).start()
-
-    def _take(self) -> tuple | None:
-        with self._lock:
-            if self._stopped or not self._queue:
-                return None
-            key = self._queue.pop(0)
-            self._ahead[key] = Future()
-            return key
-
-    def _run_ahead(self) -> None:
-        while (key := self._take()) is not None:
-            target, arch, dtype = key
-            cmd = [
-                sys.executable, "-m", "sdiree.runtime.cli", "compile", str(self.model),
-                "--target", target, "--arch", arch, "--dtype", dtype,
-                "--out", str(self.out_dir(*key)),
-            ]  # fmt: skip
-            try:
-                # its own process group: stop_ahead() kills it with its iree-compile child
-                self._proc = Popen(
-                    cmd, stdout=PIPE, stderr=STDOUT, text=True, start_new_session=True
-                )
-                output, _ = self._proc.communicate()
-                self._ahead[key].set_result((self._proc.returncode, output))
-            except BaseException as error:  # handed to the test that waits for it
-                self._ahead[key].set_exception(error)
+        _AHEAD.add(self, keys)
 
     def stop_ahead(self) -> None:
-        """At the session's end: no compile goes on writing into its temporary folders."""
-        with self._lock:
-            self._stopped = True
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        _AHEAD.stop()
 
     def get(self, target: str, arch: str, dtype: str) -> Path:
         key = (target, arch, dtype)
         if key in self._done:
             return self._done[key]
-        with self._lock:
-            if key in self._queue:
-                self._queue.remove(key)  # not started: compiled here instead
+        _AHEAD.take_back(self, key)  # not started: compiled here instead
+        with _AHEAD.lock:
             started = self._ahead.get(key)
         if started is not None:
             code, output = started.result()
@@ -175,10 +228,12 @@ class CompiledArtifacts:
 
 
 @pytest.fixture(scope="session")
-def compiled(tiny_model, artifacts_root):
+def compiled(tiny_model, artifacts_root, request):
     artifacts = CompiledArtifacts(tiny_model, artifacts_root)
     if _ahead_wanted:
         artifacts.compile_ahead(AHEAD)
+    if _sdxl_ahead_wanted:  # queued now, behind SD 1.x's, rather than at the first SDXL test
+        request.getfixturevalue("compiled_sdxl")
     yield artifacts
     artifacts.stop_ahead()
 
@@ -188,6 +243,17 @@ def compiled_sd2(tiny_sd2_model, artifacts_root):
     """The tiny SD 2.x model's artifacts, compiled on first use (no background queue: its
     tests need few of them)."""
     artifacts = CompiledArtifacts(tiny_sd2_model, artifacts_root)
+    yield artifacts
+    artifacts.stop_ahead()
+
+
+@pytest.fixture(scope="session")
+def compiled_sdxl(tiny_sdxl_model, artifacts_root):
+    """The tiny SDXL's artifacts: queued for the background compile when its tests are
+    collected (after the SD 1.x ones), else compiled on first use."""
+    artifacts = CompiledArtifacts(tiny_sdxl_model, artifacts_root)
+    if _sdxl_ahead_wanted:
+        artifacts.compile_ahead(SDXL_AHEAD)
     yield artifacts
     artifacts.stop_ahead()
 

@@ -240,7 +240,12 @@ def sdiree_edit_images(
     from sdiree.runtime.device_select import choose_device
     from sdiree.runtime.image_output import to_uint8
     from sdiree.runtime.manifest import load_manifest
-    from sdiree.runtime.pipeline import GenerationRequest, pipeline_class, resolve_request
+    from sdiree.runtime.pipeline import (
+        GenerationRequest,
+        pipeline_class,
+        pipeline_submodules,
+        resolve_request,
+    )
     from sdiree.runtime.session import with_fresh_device_on_loss
 
     manifest = load_manifest(artifact_dir)
@@ -259,7 +264,7 @@ def sdiree_edit_images(
         result = with_fresh_device_on_loss(
             manifest,
             info,
-            cls.SUBMODULES,
+            pipeline_submodules(manifest, cls),
             lambda s: cls(manifest, s).generate(req, progress=None),
             warn=lambda msg: print(f"warning: {msg}", file=sys.stderr),
         )

@@ -1,7 +1,8 @@
 """End-to-end parity: `sdiree run`'s pipeline against diffusers' StableDiffusionPipeline.
 
-For the families that pipeline runs (SD 1.x and SD 2.x: the scheduler config carries 2.x's
-v-prediction).
+For the families that pipeline runs: SD 1.x and SD 2.x against StableDiffusionPipeline (the
+scheduler config carries 2.x's v-prediction), SDXL against StableDiffusionXLPipeline (the class
+model_index.json names; no watermark, so the images compare).
 
 Same model folder, seed (CPU generator), scheduler, steps, guidance and prompts; the 8-bit
 images are compared by PSNR. Used by the tests and by hand:
@@ -53,36 +54,46 @@ def diffusers_images(
     size,
     per_image_seeds=False,
     scheduler_overrides=None,
+    call_overrides=None,
 ):
     """uint8 NHWC images from diffusers on the CPU, fp32: one CPU generator for all images, or
     with per_image_seeds a list of them seeded seed + i. scheduler_overrides change the model's
-    scheduler config (e.g. a wrong prediction_type, to show a test would see it)."""
+    scheduler config (e.g. a wrong prediction_type, to show a test would see it), call_overrides
+    the pipeline call's arguments (e.g. an SDXL time id)."""
+    import json
+
     import diffusers
     import torch
 
-    pipe = diffusers.StableDiffusionPipeline.from_pretrained(
-        model_dir, safety_checker=None, requires_safety_checker=False, local_files_only=True
-    )
+    cls = json.loads((Path(model_dir) / "model_index.json").read_text())["_class_name"]
+    if cls.startswith("StableDiffusionXL"):
+        pipe = diffusers.StableDiffusionXLPipeline.from_pretrained(
+            model_dir, add_watermarker=False, local_files_only=True
+        )
+    else:
+        pipe = diffusers.StableDiffusionPipeline.from_pretrained(
+            model_dir, safety_checker=None, requires_safety_checker=False, local_files_only=True
+        )
     pipe.set_progress_bar_config(disable=True)
     cls_name, overrides = DIFFUSERS_SCHEDULERS[scheduler]
     pipe.scheduler = getattr(diffusers, cls_name).from_config(
         pipe.scheduler.config, **overrides, **(scheduler_overrides or {})
     )
-    out = pipe(
-        prompt,
-        negative_prompt=negative or None,
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        generator=(
+    call = {
+        "negative_prompt": negative or None,
+        "num_inference_steps": steps,
+        "guidance_scale": guidance,
+        "generator": (
             [torch.Generator("cpu").manual_seed(seed + i) for i in range(n)]
             if per_image_seeds
             else torch.Generator("cpu").manual_seed(seed)
         ),
-        num_images_per_prompt=n,
-        height=size[0],
-        width=size[1],
-        output_type="np",
-    ).images
+        "num_images_per_prompt": n,
+        "height": size[0],
+        "width": size[1],
+        "output_type": "np",
+    }
+    out = pipe(prompt, **{**call, **(call_overrides or {})}).images
     return (out * 255).round().astype(np.uint8)
 
 
@@ -101,7 +112,12 @@ def sdiree_images(
     from sdiree.runtime.device_select import choose_device
     from sdiree.runtime.image_output import to_uint8
     from sdiree.runtime.manifest import load_manifest
-    from sdiree.runtime.pipeline import GenerationRequest, Text2Image, resolve_request
+    from sdiree.runtime.pipeline import (
+        GenerationRequest,
+        Text2Image,
+        pipeline_submodules,
+        resolve_request,
+    )
     from sdiree.runtime.session import with_fresh_device_on_loss
 
     manifest = load_manifest(artifact_dir)
@@ -115,7 +131,7 @@ def sdiree_images(
     result = with_fresh_device_on_loss(
         manifest,
         info,
-        Text2Image.SUBMODULES,
+        pipeline_submodules(manifest, Text2Image),
         lambda session: Text2Image(manifest, session).generate(req, progress=None),
         warn=lambda msg: print(f"warning: {msg}", file=sys.stderr),
     )

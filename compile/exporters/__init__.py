@@ -21,12 +21,14 @@ EXPORTER_REVISION = 9
 
 SCOPES = {
     "text_encoder": "text_encoder",
+    "text_encoder_2": "text_encoder_2",
     "unet": "unet",
     "vae_decoder": "vae",
     "vae_encoder": "vae",
 }
 COMPONENTS = {
     "text_encoder": "text_encoder",
+    "text_encoder_2": "text_encoder_2",
     "unet": "unet",
     "vae_decoder": "vae",
     "vae_encoder": "vae",
@@ -37,6 +39,17 @@ def scope_for(submodule: str) -> str:
     return SCOPES[submodule]
 
 
+def added_conditioning(plan) -> dict[str, int] | None:
+    """The UNet's inputs besides the text, {name: width per image}, from the family's
+    `unet_conditioning` (SDXL: the pooled projection of the second text encoder and two ids
+    per entry of `time_ids`); None where the UNet takes the text only."""
+    spec = plan.family.unet_conditioning
+    if not spec:
+        return None
+    pooled = plan.configs[spec["text_embeds"]]["projection_dim"]
+    return {"text_embeds": pooled, "time_ids": 2 * len(spec["time_ids"])}
+
+
 def plan_for(builder, submodule: str):
     """The ExportPlan of one submodule for the builder's compile plan."""
     from .base import TORCH_DTYPES
@@ -45,21 +58,26 @@ def plan_for(builder, submodule: str):
     from .vae import plan_vae_decoder, plan_vae_encoder
 
     p = builder.plan
-    dtype = TORCH_DTYPES[p.export_dtype]
+    dtype = TORCH_DTYPES[p.submodule_export_dtype(submodule)]
     options = builder.export_options(submodule)
     attention = options.get("attention", "sdpa")
     conv = options.get("conv", "native")
     model = builder.torch_model(COMPONENTS[submodule])
-    te_cfg = p.configs["text_encoder"]
-    max_length = te_cfg.get("max_position_embeddings", 77)
-    if submodule == "text_encoder":
+    encoders = {te["submodule"]: te for te in p.family.text_encoders}
+    max_length = p.configs[p.family.text_encoders[0]["submodule"]].get(
+        "max_position_embeddings", 77
+    )
+    if submodule in encoders:
+        recipe = encoders[submodule]
         return plan_text_encoder(
             model,
             submodule=submodule,
             batch=p.batch_size,
-            max_length=max_length,
+            max_length=p.configs[submodule].get("max_position_embeddings", 77),
             dtype=dtype,
             attention=attention,
+            hidden_states=recipe.get("hidden_states", "last"),
+            pooled=recipe.get("pooled", "pooled_output"),
         )
     if submodule == "unet":
         return plan_unet(
@@ -72,6 +90,7 @@ def plan_for(builder, submodule: str):
             attention=attention,
             conv=conv,
             winograd4_min_side=options.get("winograd4_min_side"),
+            added_conditioning=added_conditioning(p),
         )
     if "winograd4_min_side" in options:
         raise ValueError(f"export option winograd4_min_side applies to the unet, not {submodule}")

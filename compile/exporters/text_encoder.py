@@ -1,5 +1,6 @@
-"""Text encoder exporter: token embeddings [B, L, D] and EOS positions [B] → last hidden state
-and pooled output.
+"""Text encoder exporter: token embeddings [B, L, D] and EOS positions [B] → hidden states
+(the last layer's, or for SDXL's recipe the penultimate layer's, before the final norm) and
+pooled output.
 
 The module takes the token embeddings (the rows of the token-embedding table, before position
 embeddings are added) instead of token ids, so the runtime can append vectors of its own
@@ -26,10 +27,22 @@ def clip_text_model(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "text_model", model)
 
 
+# The hidden states a family's recipe takes (specs/families.json `hidden_states`): the index
+# into transformers' `hidden_states` tuple (None: `last_hidden_state`, after the final norm),
+# and the output's name.
+HIDDEN_STATES = {
+    "last": (None, "last_hidden_state"),
+    "penultimate": (-2, "penultimate_hidden_state"),
+}
+
+
 class TextEncoderEntry(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, hidden_states: str = "last"):
         super().__init__()
         self.model = model
+        if hidden_states not in HIDDEN_STATES:
+            raise ValueError(f"hidden_states {hidden_states!r}: one of {list(HIDDEN_STATES)}")
+        self.layer = HIDDEN_STATES[hidden_states][0]
         eos = int(model.config.eos_token_id)
         if eos <= 0:
             raise ValueError(f"text encoder eos_token_id {eos}: expected a positive id")
@@ -60,11 +73,15 @@ class TextEncoderEntry(torch.nn.Module):
         pool_ids = (positions[None, :] == eos_index[:, None]).long() * self.eos_token_id
         self._embeds = inputs_embeds
         try:
-            out = self.model(input_ids=pool_ids, return_dict=True)
+            if self.layer is None:
+                out = self.model(input_ids=pool_ids, return_dict=True)
+            else:
+                out = self.model(input_ids=pool_ids, output_hidden_states=True, return_dict=True)
         finally:
             self._embeds = None
         pooled = out.text_embeds if hasattr(out, "text_embeds") else out.pooler_output
-        return out.last_hidden_state, pooled
+        hidden = out.last_hidden_state if self.layer is None else out.hidden_states[self.layer]
+        return hidden, pooled
 
 
 def plan_text_encoder(
@@ -75,12 +92,14 @@ def plan_text_encoder(
     max_length: int,
     dtype: torch.dtype,
     attention: str,
+    hidden_states: str = "last",
+    pooled: str = "pooled_output",
 ) -> ExportPlan:
     # transformers' eager attention is the decomposed matmul-softmax-matmul form; at 77 tokens
     # its scores are tiny, so `chunked` has nothing to cut and exports it the same way.
     model.set_attn_implementation("sdpa" if attention == "sdpa" else "eager")
     model = model.to(dtype).eval()
-    entry = TextEncoderEntry(model)
+    entry = TextEncoderEntry(model, hidden_states)
     dt = {torch.float32: "float32", torch.float16: "float16"}[dtype]
     hidden = model.config.hidden_size
     pooled_dim = (
@@ -105,8 +124,8 @@ def plan_text_encoder(
                     TensorSpec("eos_index", (batch,), "int64"),
                 ),
                 outputs=(
-                    TensorSpec("last_hidden_state", (batch, max_length, hidden), dt),
-                    TensorSpec("pooled_output", (batch, pooled_dim), dt),
+                    TensorSpec(HIDDEN_STATES[hidden_states][1], (batch, max_length, hidden), dt),
+                    TensorSpec(pooled, (batch, pooled_dim), dt),
                 ),
                 fn=encode,
             )

@@ -3,7 +3,11 @@
 Two entry functions share the parameters: `denoise_cfg` takes B latents and text embeddings of
 batch 2B (unconditional and conditional halves in one call, so guidance is one call per step)
 and returns both halves' predictions; `denoise` runs at batch B (for guidance scale 1, which skips
-the unconditional half). The timestep is one float32 value.
+the unconditional half). The timestep is one float32 value. A UNet with added conditioning
+(SDXL's `addition_embed_type` "text_time") takes it after the text, one row per text row:
+`text_embeds` (the second text encoder's pooled projection, in the model's dtype) and
+`time_ids` (original size, crop top-left, target size; float32, as the UNet's sinusoidal
+projection computes in float32 whatever it is given).
 """
 
 from __future__ import annotations
@@ -25,10 +29,44 @@ class UNetEntry(torch.nn.Module):
         super().__init__()
         self.unet = unet
 
-    def forward(self, sample, timestep, encoder_hidden_states):
+    def forward(self, sample, timestep, encoder_hidden_states, text_embeds=None, time_ids=None):
         if encoder_hidden_states.shape[0] == 2 * sample.shape[0]:
             sample = torch.cat([sample, sample])
-        return self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0]
+        added = None
+        if text_embeds is not None:
+            added = {"text_embeds": text_embeds, "time_ids": time_ids}
+        return self.unet(
+            sample, timestep, encoder_hidden_states, added_cond_kwargs=added, return_dict=False
+        )[0]
+
+
+def cat_text_time_embedding(unet: torch.nn.Module) -> bool:
+    """Rebind a "text_time" UNet's added embedding (SDXL: the pooled text and the time ids'
+    sinusoidal embeddings, joined, through `add_embedding`) to join them with torch.cat.
+    diffusers joins them with torch.concat, which reaches iree as `torch.aten.concat`, an op
+    iree 3.13 does not legalize ("failed to legalize operation 'torch.operator'"); the values
+    are the same. False where the UNet has no such embedding."""
+    if unet.config.get("addition_embed_type") != "text_time":
+        return False
+
+    def get_aug_embed(emb, encoder_hidden_states, added_cond_kwargs):
+        text_embeds = added_cond_kwargs["text_embeds"]
+        times = unet.add_time_proj(added_cond_kwargs["time_ids"].flatten())
+        joined = torch.cat([text_embeds, times.reshape(text_embeds.shape[0], -1)], dim=-1)
+        return unet.add_embedding(joined.to(emb.dtype))
+
+    unet.get_aug_embed = get_aug_embed
+    return True
+
+
+def example_added(added: dict[str, int] | None, rows: int, dtype=torch.float32) -> dict:
+    """Zero inputs of the added conditioning for `rows` text rows ({} where there is none)."""
+    if not added:
+        return {}
+    return {
+        "text_embeds": torch.zeros(rows, added["text_embeds"], dtype=dtype),
+        "time_ids": torch.zeros(rows, added["time_ids"]),
+    }
 
 
 def plan_unet(
@@ -42,6 +80,7 @@ def plan_unet(
     attention: str,
     conv: str = "native",
     winograd4_min_side: int | None = None,
+    added_conditioning: dict[str, int] | None = None,
 ) -> ExportPlan:
     channels = unet.config.in_channels
     out_channels = unet.config.out_channels
@@ -54,11 +93,13 @@ def plan_unet(
                 torch.zeros(2 * batch, channels, h, w),
                 torch.zeros(1),
                 torch.zeros(2 * batch, text_len, text_dim),
+                added_cond_kwargs=example_added(added_conditioning, 2 * batch) or None,
             ),
         )
         small, large = WINOGRAD_TILES.get(conv, 0), WINOGRAD_TILES["winograd4"]
         tiles = tiles_by_side(sides, small, large, winograd4_min_side)
     set_attention(unet, attention)
+    cat_text_time_embedding(unet)
     derived = set_conv_lowering(unet, conv, tiles)
     group_norms_in_fp32(unet, dtype)
     share_cfg_prefix(unet, batch)  # last: it wraps the forwards rebound above
@@ -66,19 +107,36 @@ def plan_unet(
     entry = UNetEntry(unet)
     dt = NUMPY_DTYPE_NAMES[dtype]
 
-    def denoise_cfg(root, sample, timestep, encoder_hidden_states):
-        return root(sample, timestep, encoder_hidden_states)
+    if added_conditioning:
 
-    def denoise(root, sample, timestep, encoder_hidden_states):
-        return root(sample, timestep, encoder_hidden_states)
+        def denoise_cfg(root, sample, timestep, encoder_hidden_states, text_embeds, time_ids):
+            return root(sample, timestep, encoder_hidden_states, text_embeds, time_ids)
+
+        def denoise(root, sample, timestep, encoder_hidden_states, text_embeds, time_ids):
+            return root(sample, timestep, encoder_hidden_states, text_embeds, time_ids)
+
+    else:
+
+        def denoise_cfg(root, sample, timestep, encoder_hidden_states):
+            return root(sample, timestep, encoder_hidden_states)
+
+        def denoise(root, sample, timestep, encoder_hidden_states):
+            return root(sample, timestep, encoder_hidden_states)
 
     def spec(fn, b):
+        added = ()
+        if added_conditioning:
+            added = (
+                TensorSpec("text_embeds", (b, added_conditioning["text_embeds"]), dt),
+                TensorSpec("time_ids", (b, added_conditioning["time_ids"]), "float32"),
+            )
         return FunctionSpec(
             name=fn.__name__,
             inputs=(
                 TensorSpec("sample", (batch, channels, h, w), dt),
                 TensorSpec("timestep", (1,), "float32"),
                 TensorSpec("encoder_hidden_states", (b, text_len, text_dim), dt),
+                *added,
             ),
             outputs=(TensorSpec("noise_pred", (b, out_channels, h, w), dt),),
             fn=fn,

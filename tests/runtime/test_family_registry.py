@@ -49,15 +49,28 @@ def refusal(**kw) -> str:
     return msg
 
 
-def test_shipped_registry_loads_with_sd1_and_sd2_supported():
+def test_shipped_registry_loads_with_sd1_sd2_and_sdxl_supported():
     reg = load_families()
-    assert [f.name for f in reg.families.values() if f.supported] == ["sd1", "sd2"]
+    assert [f.name for f in reg.families.values() if f.supported] == ["sd1", "sd2", "sdxl"]
     sd1 = reg.family("sd1")
     # SD 1.x's entry is what sdiree has always compiled and run
     assert list(sd1.submodules) == ["text_encoder", "unet", "vae_decoder", "vae_encoder"]
     assert sd1.submodules["unet"]["functions"] == ["denoise_cfg", "denoise"]
     assert sd1.size_multiple == 8 and sd1.pipeline == "text2img" in PIPELINES
-    assert reg.family("sdxl").refusal.startswith("SDXL is not supported yet")
+    sdxl = reg.family("sdxl")
+    # SDXL's recipe as data: two encoders' penultimate states, the second's pooled projection
+    assert list(sdxl.submodules) == [
+        "text_encoder", "text_encoder_2", "unet", "vae_decoder", "vae_encoder"
+    ]  # fmt: skip
+    assert [(te["submodule"], te["hidden_states"]) for te in sdxl.text_encoders] == [
+        ("text_encoder", "penultimate"),
+        ("text_encoder_2", "penultimate"),
+    ]
+    assert sdxl.unet_conditioning["text_embeds"] == "text_encoder_2"
+    assert sdxl.vae_upcast == {"config_key": "force_upcast", "default": True}
+    assert reg.family("sd1").vae_upcast is None and reg.family("sd1").unet_conditioning is None
+    # single-file SDXL checkpoints are still refused with this line
+    assert sdxl.refusal.startswith("SDXL is not supported yet as a single-file checkpoint")
 
 
 def test_sd1_and_sd2_are_told_apart_by_their_configs():
@@ -76,14 +89,13 @@ def test_sd1_and_sd2_are_told_apart_by_their_configs():
         ("FluxPipeline", "Flux"),
         ("StableDiffusionUpscalePipeline", "upscaler"),
         ("StableDiffusionControlNetPipeline", "ControlNet"),
-        ("StableDiffusionXLPipeline", "SDXL is not supported yet"),
+        ("StableDiffusionXLControlNetPipeline", "SDXL ControlNet"),
     ],
 )
 def test_families_sdiree_does_not_compile_are_refused_by_name(cls, says):
     msg = refusal(index={**SD_INDEX, "_class_name": cls})
     assert cls in msg and says in msg
-    if cls != "StableDiffusionXLPipeline":
-        assert "SD 1.x, SD 2.x" in msg  # what it does compile
+    assert "SD 1.x, SD 2.x, SDXL" in msg  # what it does compile
 
 
 def test_a_controlnet_component_is_refused():
@@ -99,8 +111,31 @@ def test_an_sdxl_unet_with_one_text_encoder_is_a_mix():
 
 
 def test_an_sdxl_unet_under_an_unknown_class_is_sdxl():
-    msg = refusal(index={**SD_INDEX, "_class_name": "MyPipeline"}, unet=SDXL_UNET)
-    assert "SDXL is not supported yet" in msg and "text_time" in msg
+    # the missing second encoder is then refused when the folder is checked (model_source)
+    assert detect(index={**SD_INDEX, "_class_name": "MyPipeline"}, unet=SDXL_UNET).name == "sdxl"
+
+
+SDXL_INDEX = {
+    **SD_INDEX,
+    "_class_name": "StableDiffusionXLPipeline",
+    "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+    "tokenizer_2": ["transformers", "CLIPTokenizer"],
+    "force_zeros_for_empty_prompt": True,
+}
+SDXL_TE2 = {"hidden_act": "gelu", "hidden_size": 1280, "projection_dim": 1280}
+
+
+def test_sdxl_is_recognised_and_its_widths_checked():
+    reg = load_families()
+    configs = {"unet": SDXL_UNET, "text_encoder": SD1_TE, "text_encoder_2": SDXL_TE2}
+    assert reg.detect(SDXL_INDEX, configs, "/m").name == "sdxl"
+    with pytest.raises(UserError, match=r"cross_attention_dim 2048 .* hidden_size 768 \+ 1024"):
+        reg.detect(
+            SDXL_INDEX, {**configs, "text_encoder_2": {**SDXL_TE2, "hidden_size": 1024}}, "/m"
+        )
+    # an SDXL index whose second encoder is quick_gelu (a CLIP-L copy) is a mix
+    with pytest.raises(UserError, match="mixes model families"):
+        reg.detect(SDXL_INDEX, {**configs, "text_encoder_2": SD1_TE}, "/m")
 
 
 def test_sd1_unet_with_sd2_text_encoder_is_a_mix():
@@ -129,6 +164,7 @@ def test_a_damaged_registry_is_one_line(tmp_path):
     with pytest.raises(UserError, match="families.sd1.pipeline names no pipeline"):
         load_families(path)
     del data["families"]["sd1"]
+    data["families"]["sdxl"]["status"] = "refused"
     data["families"]["sdxl"].pop("refusal")
     path.write_text(json.dumps(data))
     with pytest.raises(UserError, match="gives no 'refusal'"):
