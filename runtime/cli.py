@@ -16,6 +16,7 @@ from pathlib import Path
 
 from . import __version__, schedulers
 from .errors import UserError
+from .sizes import parse_sizes
 
 USAGE_EXIT = 2
 # The compile extra's modules, as imported (importlib.util.find_spec names).
@@ -112,6 +113,7 @@ def cmd_compile(a: argparse.Namespace) -> None:
         config_dir=a.config,
         prediction_type=a.prediction_type,
         vae=a.vae,
+        sizes=parse_sizes(a.sizes) if a.sizes else (),
     )
     _call_compile_side("compile", compile_model, options)
 
@@ -239,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--specs", type=Path, metavar="DIR", help="another specs directory (tuning work)"
     )
     p.add_argument(
+        "--sizes",
+        metavar="WxH,...",
+        help="more image sizes the artifact runs at besides --width/--height, e.g. "
+        "512x768,768x512 (each adds UNet and VAE functions sharing the weights)",
+    )
+    p.add_argument(
         "--vae-tile",
         type=int,
         metavar="PX",
@@ -296,8 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=int, metavar="N", help="default or -1: random, printed and stored in the PNG"
     )
     p.add_argument("--num-images", type=int, metavar="N", default=1, help="images to make (1)")
-    p.add_argument("--width", type=int, metavar="N", help="must equal the compiled width")
-    p.add_argument("--height", type=int, metavar="N", help="must equal the compiled height")
+    p.add_argument(
+        "--width", type=int, metavar="N", help="one of the compiled sizes' (default: the main)"
+    )
+    p.add_argument(
+        "--height", type=int, metavar="N", help="one of the compiled sizes' (default: the main)"
+    )
     p.add_argument(
         "--device", "-d", metavar="DEVICE", help="local-task, vulkan, vulkan:N, or part of a name"
     )

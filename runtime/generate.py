@@ -34,6 +34,7 @@ from .image_output import (
 from .manifest import HASH_CACHE, Manifest, check_files, load_manifest
 from .pipeline import GenerationRequest, pipeline_class, resolve_request
 from .session import with_fresh_device_on_loss
+from .sizes import resolve_size
 from .text_inputs import TextInputs
 from .weights.sources import LoraRequest, build_overrides, parse_lora_option
 
@@ -152,9 +153,8 @@ def generate_to_files(
     prompt, lora_requests = lora_requests_of(prompt, loras or [], lora_dir)
     seed = resolve_seed(seed, num_images)
     manifest = load_manifest(artifact_dir)
-    edit = load_edit_images(
-        init_image, mask, manifest.image["width"], manifest.image["height"], resize
-    )
+    size_h, size_w = resolve_size(manifest, width, height)  # what an init image is fitted to
+    edit = load_edit_images(init_image, mask, size_w, size_h, resize)
     req = resolve_request(
         manifest,
         GenerationRequest(

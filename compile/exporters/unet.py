@@ -3,7 +3,10 @@
 Two entry functions share the parameters: `denoise_cfg` takes B latents and text embeddings of
 batch 2B (unconditional and conditional halves in one call, so guidance is one call per step)
 and returns both halves' predictions; `denoise` runs at batch B (for guidance scale 1, which skips
-the unconditional half). The timestep is one float32 value.
+the unconditional half). The timestep is one float32 value. An artifact compiled for more image
+sizes (`sdiree compile --sizes`) has that pair again per extra size, named for its latents
+(`denoise_cfg_96x64`); all share the parameters, so each conv's Winograd tile (which names a
+derived weight) is chosen once, at the main size.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def plan_unet(
     unet: torch.nn.Module,
     *,
     batch: int,
-    latent_hw: tuple[int, int],
+    latent_hws: list[tuple[int, int]],
     text_len: int,
     text_dim: int,
     dtype: torch.dtype,
@@ -45,7 +48,7 @@ def plan_unet(
 ) -> ExportPlan:
     channels = unet.config.in_channels
     out_channels = unet.config.out_channels
-    h, w = latent_hw
+    h, w = latent_hws[0]  # the main size; the others get functions named for their latents
     tiles = None
     if winograd4_min_side:  # F(4x4) where a conv's input is large, the conv choice's tile elsewhere
         sides = conv_input_sides(
@@ -72,9 +75,10 @@ def plan_unet(
     def denoise(root, sample, timestep, encoder_hidden_states):
         return root(sample, timestep, encoder_hidden_states)
 
-    def spec(fn, b):
+    def spec(fn, b, hw):
+        h, w = hw
         return FunctionSpec(
-            name=fn.__name__,
+            name=fn.__name__ if hw == latent_hws[0] else f"{fn.__name__}_{h}x{w}",
             inputs=(
                 TensorSpec("sample", (batch, channels, h, w), dt),
                 TensorSpec("timestep", (1,), "float32"),
@@ -89,7 +93,11 @@ def plan_unet(
         scope="unet",
         root=entry,
         params_module=unet,
-        functions=[spec(denoise_cfg, 2 * batch), spec(denoise, batch)],
+        functions=[
+            f
+            for hw in latent_hws
+            for f in (spec(denoise_cfg, 2 * batch, hw), spec(denoise, batch, hw))
+        ],
         options={"attention": attention, "conv": conv, "winograd4_min_side": winograd4_min_side},
         derived=derived,
     )
