@@ -152,6 +152,7 @@ def cmd_run(a: argparse.Namespace) -> None:
         overwrite=a.overwrite,
         force_device=a.force_device,
         vae_tiling=a.vae_tiling,
+        vae_memory_mib=a.vae_memory,
         weights=a.weights,
         vae=a.vae,
         loras=a.lora,
@@ -329,6 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: decode in tiles where the artifact's VAE was compiled for them (sdiree "
         "compile --vae-tile); on: the same, asked outright; off: refuse a tiled artifact",
+    )
+    p.add_argument(
+        "--vae-memory",
+        type=int,
+        metavar="MIB",
+        help="working memory one VAE call may take; refused up front where the artifact's "
+        "VAE tile (or whole image) needs more (recompile with a smaller --vae-tile)",
     )
     p.add_argument(
         "--weights",

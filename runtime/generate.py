@@ -145,8 +145,11 @@ def generate_to_files(
     lora_dir: Path | None = None,
     embeddings: list[str] | None = None,
     vae_tiling: str = "auto",
+    vae_memory_mib: int | None = None,
 ) -> list[Path]:
     check_text("--prompt", prompt)
+    if vae_memory_mib is not None and vae_memory_mib <= 0:
+        raise UserError(f"--vae-memory {vae_memory_mib}: give the MiB one VAE call may take")
     check_text("--negative-prompt", negative_prompt)
     embedding_files = load_embeddings(embeddings or [])
     written_prompt = prompt  # as the user wrote it, LoRA tags included (as A1111 keeps it)
@@ -171,6 +174,7 @@ def generate_to_files(
             mask=edit.mask if edit else None,
             strength=strength,
             vae_tiling=vae_tiling,
+            vae_budget=None if vae_memory_mib is None else vae_memory_mib << 20,
         ),
     )
     paths = output_paths(Path(output), num_images)

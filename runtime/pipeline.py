@@ -53,6 +53,7 @@ class GenerationRequest:
     mask: np.ndarray | None = None  # HxW uint8 gray: >= 128 (0.5) is repainted, the rest kept
     strength: float | None = None  # default: DEFAULT_STRENGTH of the pipeline
     vae_tiling: str = "auto"  # `sdiree run --vae-tiling`: auto, on or off
+    vae_budget: int | None = None  # `sdiree run --vae-memory`: bytes one VAE call may take
 
     @property
     def edits(self) -> bool:
@@ -119,7 +120,12 @@ def resolve_request(manifest: Manifest, req: GenerationRequest) -> GenerationReq
     if req.num_images < 1:
         raise UserError(f"--num-images {req.num_images} must be at least 1")
     height, width = resolve_size(manifest, req.width, req.height)
-    check_decode(manifest, mode=req.vae_tiling, latent_hw=latent_size(manifest, (height, width)))
+    check_decode(
+        manifest,
+        mode=req.vae_tiling,
+        budget_bytes=req.vae_budget,
+        latent_hw=latent_size(manifest, (height, width)),
+    )
     req = dataclasses.replace(req, width=width, height=height)
     return dataclasses.replace(
         req,
@@ -279,6 +285,7 @@ class Text2Image:
         timings = Timings()
         warnings: list[str] = []
         self.used_embeddings = {}
+        self.vae_budget = req.vae_budget
         cfg = req.guidance_scale > 1.0
 
         t0 = time.perf_counter()
@@ -300,7 +307,7 @@ class Text2Image:
         t0 = time.perf_counter()
         images = decode_latents(
             self.session, latents, self.batch, self.dtype, manifest=self.manifest,
-            mode=req.vae_tiling,
+            mode=req.vae_tiling, budget_bytes=req.vae_budget,
         )  # fmt: skip
         timings.decode = time.perf_counter() - t0
         timings.total = time.perf_counter() - t_start
