@@ -103,6 +103,12 @@ class Builder:
                 "submodule": submodule,
                 "dtype": p.export_dtype,
                 "shape": [p.batch_size, p.height, p.width],
+                # more sizes (`--sizes`): the UNet's and VAE's entry functions for them
+                **(
+                    {"sizes": [list(hw) for hw in p.extra_sizes]}
+                    if p.extra_sizes and submodule != "text_encoder"
+                    else {}
+                ),
                 # the VAE is exported at its tile size where it tiles
                 **({"vae_tile": p.vae_tile} if submodule.startswith("vae") and p.vae_tiled else {}),
                 "export": self.export_options(submodule),

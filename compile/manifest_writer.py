@@ -161,6 +161,12 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
             "latent_height": plan.latent_hw[0],
             "latent_width": plan.latent_hw[1],
             "vae_scale_factor": plan.vae_factor,
+            # `--sizes`: every size the artifact runs at, the main one first
+            **(
+                {"sizes": [{"height": h, "width": w} for h, w in plan.sizes]}
+                if plan.extra_sizes
+                else {}
+            ),
         },
         "vae_scaling": {
             "factor": vae_cfg.get("scaling_factor", 0.18215),

@@ -54,6 +54,9 @@ class CompileOptions:
     prediction_type: str | None = None
     # Another VAE's weights compiled in (`--vae FILE`: original or diffusers layout).
     vae: Path | None = None
+    # More image sizes (px, (height, width)) the artifact runs at besides --height/--width
+    # (`--sizes WxH,...`): their own entry functions, sharing the parameters.
+    sizes: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -75,20 +78,39 @@ class Plan:
     explicit_out: bool = True  # --out given: the cache is the user's, not out's parent
     vae_tile: int = 0  # px; 0: the VAE modules take the whole image
     vae_file: Path | None = None  # --vae: its weights replace the model's VAE's
+    extra_sizes: tuple[tuple[int, int], ...] = ()  # --sizes besides (height, width), px
+
+    @property
+    def sizes(self) -> list[tuple[int, int]]:
+        """Every image size (px, (height, width)) the artifact runs at, the main one first."""
+        return [(self.height, self.width), *self.extra_sizes]
+
+    @property
+    def latent_hws(self) -> list[tuple[int, int]]:
+        f = self.vae_factor
+        return [(h // f, w // f) for h, w in self.sizes]
+
+    def _tiled(self, hw: tuple[int, int]) -> bool:
+        return bool(self.vae_tile) and max(hw) > self.vae_tile
 
     @property
     def vae_tiled(self) -> bool:
-        """The image is larger than a VAE tile: the VAE modules are compiled for tiles."""
-        return bool(self.vae_tile) and max(self.height, self.width) > self.vae_tile
+        """An image is larger than a VAE tile: the VAE modules are compiled for tiles."""
+        return any(self._tiled(hw) for hw in self.sizes)
 
     def vae_image_shapes(self) -> list[tuple[int, int]]:
-        """The image sizes (px) the VAE modules take, the main one first: the whole image, or
-        under tiling every tile shape diffusers' tiling of this image makes (edge tiles are
+        """The image sizes (px) the VAE modules take, the main one first: per size the whole
+        image, or under tiling every tile shape diffusers' tiling of it makes (edge tiles are
         shorter, and are decoded at their own size, so the tiled result is diffusers')."""
-        if not self.vae_tiled:
-            return [(self.height, self.width)]
         f = self.vae_factor
-        return [(h * f, w * f) for h, w in tile_shapes(self.latent_hw, self.vae_tile // f)]
+        shapes: list[tuple[int, int]] = []
+        for hw in self.sizes:
+            if not self._tiled(hw):
+                shapes.append(hw)
+                continue
+            latent = (hw[0] // f, hw[1] // f)
+            shapes += [(h * f, w * f) for h, w in tile_shapes(latent, self.vae_tile // f)]
+        return list(dict.fromkeys(shapes))
 
     @property
     def family(self):
@@ -172,23 +194,20 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
     width = default_hw if opts.width is None else opts.width
     step = family.size_multiple
     for label, v in (("height", height), ("width", width)):
-        if v <= 0 or v % step:
-            raise UserError(
-                f"--{label} {v} is not a positive multiple of {step}, which {family.label} "
-                f"models need; use e.g. {default_hw}"
-            )
-        if v > MAX_SIDE:
-            raise UserError(
-                f"--{label} {v} is larger than sdiree compiles ({MAX_SIDE} at most); "
-                f"{model.name} was trained at {default_hw}"
-            )
+        _check_side(f"--{label} {v}", v, step, family.label, default_hw, model.name)
+    for h, w in opts.sizes:
+        for v in (h, w):
+            what = f"--sizes {w}x{h}: its side {v}"
+            _check_side(what, v, step, family.label, default_hw, model.name)
+    extra_sizes = tuple(dict.fromkeys(hw for hw in opts.sizes if hw != (height, width)))
     if opts.batch_size < 1:
         raise UserError(f"--batch-size {opts.batch_size} must be at least 1")
     vae_tile = _vae_tile(opts.vae_tile, configs["vae"], vae_factor, reporter)
 
     if opts.out is None:
         shared = model_cache(opts, model.name)
-        out = shared / f"{target.name}-{arch}-{dtype}-{height}x{width}-b{opts.batch_size}"
+        more = "".join(f"+{h}x{w}" for h, w in extra_sizes)
+        out = shared / f"{target.name}-{arch}-{dtype}-{height}x{width}{more}-b{opts.batch_size}"
     else:
         out = Path(opts.out).absolute()
         shared = user_cache_dir() / model.name
@@ -216,6 +235,7 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
         explicit_out=opts.out is not None,
         vae_tile=vae_tile,
         vae_file=_vae_file(opts.vae),
+        extra_sizes=extra_sizes,
     )
     _say_vae_precision(plan, reporter)
     return plan
@@ -256,6 +276,19 @@ def _say_vae_precision(plan: Plan, reporter: Reporter) -> None:
         )
     else:
         reporter.say(f"VAE: compiled in fp16 (vae/config.json {key}: false, an fp16-safe VAE)")
+
+
+def _check_side(what: str, v: int, step: int, label: str, default_hw: int, model: str) -> None:
+    if v <= 0 or v % step:
+        raise UserError(
+            f"{what} is not a positive multiple of {step}, which {label} models need; "
+            f"use e.g. {default_hw}"
+        )
+    if v > MAX_SIDE:
+        raise UserError(
+            f"{what} is larger than sdiree compiles ({MAX_SIDE} at most); {model} was "
+            f"trained at {default_hw}"
+        )
 
 
 def _vae_file(path: Path | None) -> Path | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from . import __version__, schedulers
 from .errors import UserError
+from .sizes import parse_sizes
 
 USAGE_EXIT = 2
 # The compile extra's modules, as imported (importlib.util.find_spec names).
@@ -112,6 +113,7 @@ def cmd_compile(a: argparse.Namespace) -> None:
         config_dir=a.config,
         prediction_type=a.prediction_type,
         vae=a.vae,
+        sizes=parse_sizes(a.sizes) if a.sizes else (),
     )
     _call_compile_side("compile", compile_model, options)
 
@@ -150,6 +152,7 @@ def cmd_run(a: argparse.Namespace) -> None:
         overwrite=a.overwrite,
         force_device=a.force_device,
         vae_tiling=a.vae_tiling,
+        vae_memory_mib=a.vae_memory,
         weights=a.weights,
         vae=a.vae,
         loras=a.lora,
@@ -239,6 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--specs", type=Path, metavar="DIR", help="another specs directory (tuning work)"
     )
     p.add_argument(
+        "--sizes",
+        metavar="WxH,...",
+        help="more image sizes the artifact runs at besides --width/--height, e.g. "
+        "512x768,768x512 (each adds UNet and VAE functions sharing the weights)",
+    )
+    p.add_argument(
         "--vae-tile",
         type=int,
         metavar="PX",
@@ -296,8 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=int, metavar="N", help="default or -1: random, printed and stored in the PNG"
     )
     p.add_argument("--num-images", type=int, metavar="N", default=1, help="images to make (1)")
-    p.add_argument("--width", type=int, metavar="N", help="must equal the compiled width")
-    p.add_argument("--height", type=int, metavar="N", help="must equal the compiled height")
+    p.add_argument(
+        "--width", type=int, metavar="N", help="one of the compiled sizes' (default: the main)"
+    )
+    p.add_argument(
+        "--height", type=int, metavar="N", help="one of the compiled sizes' (default: the main)"
+    )
     p.add_argument(
         "--device", "-d", metavar="DEVICE", help="local-task, vulkan, vulkan:N, or part of a name"
     )
@@ -317,6 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: decode in tiles where the artifact's VAE was compiled for them (sdiree "
         "compile --vae-tile); on: the same, asked outright; off: refuse a tiled artifact",
+    )
+    p.add_argument(
+        "--vae-memory",
+        type=int,
+        metavar="MIB",
+        help="working memory one VAE call may take; refused up front where the artifact's "
+        "VAE tile (or whole image) needs more (recompile with a smaller --vae-tile)",
     )
     p.add_argument(
         "--weights",

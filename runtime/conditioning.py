@@ -60,7 +60,12 @@ class Conditioner:
                 "this sdiree does not make; run it with the sdiree that compiled it"
             )
         img = manifest.image
-        self.time_ids = self._time_ids(self.extra.get("time_ids", ()), img["height"], img["width"])
+        self.set_image_size(img["height"], img["width"])
+
+    def set_image_size(self, height: int, width: int) -> None:
+        """The size (px) of the images made next: SDXL's time ids name it (an artifact
+        compiled for several sizes, `sdiree compile --sizes`, makes any of them)."""
+        self.time_ids = self._time_ids(self.extra.get("time_ids", ()), height, width)
 
     @staticmethod
     def _time_ids(pairs, h: int, w: int) -> np.ndarray:

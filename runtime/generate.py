@@ -34,6 +34,7 @@ from .image_output import (
 from .manifest import HASH_CACHE, Manifest, check_files, load_manifest
 from .pipeline import GenerationRequest, pipeline_class, pipeline_submodules, resolve_request
 from .session import with_fresh_device_on_loss
+from .sizes import resolve_size
 from .text_inputs import TextInputs
 from .weights.sources import LoraRequest, build_overrides, parse_lora_option
 
@@ -144,17 +145,19 @@ def generate_to_files(
     lora_dir: Path | None = None,
     embeddings: list[str] | None = None,
     vae_tiling: str = "auto",
+    vae_memory_mib: int | None = None,
 ) -> list[Path]:
     check_text("--prompt", prompt)
+    if vae_memory_mib is not None and vae_memory_mib <= 0:
+        raise UserError(f"--vae-memory {vae_memory_mib}: give the MiB one VAE call may take")
     check_text("--negative-prompt", negative_prompt)
     embedding_files = load_embeddings(embeddings or [])
     written_prompt = prompt  # as the user wrote it, LoRA tags included (as A1111 keeps it)
     prompt, lora_requests = lora_requests_of(prompt, loras or [], lora_dir)
     seed = resolve_seed(seed, num_images)
     manifest = load_manifest(artifact_dir)
-    edit = load_edit_images(
-        init_image, mask, manifest.image["width"], manifest.image["height"], resize
-    )
+    size_h, size_w = resolve_size(manifest, width, height)  # what an init image is fitted to
+    edit = load_edit_images(init_image, mask, size_w, size_h, resize)
     req = resolve_request(
         manifest,
         GenerationRequest(
@@ -171,6 +174,7 @@ def generate_to_files(
             mask=edit.mask if edit else None,
             strength=strength,
             vae_tiling=vae_tiling,
+            vae_budget=None if vae_memory_mib is None else vae_memory_mib << 20,
         ),
     )
     paths = output_paths(Path(output), num_images)

@@ -51,7 +51,7 @@ class Image2Image(Text2Image):
         diffusion space by the module, float32; in tiles where the encoder takes tiles."""
         mean, std = encode_image(
             self.session, image, self.batch, self.encode_dtype, manifest=self.manifest,
-            mode=vae_tiling,
+            mode=vae_tiling, budget_bytes=getattr(self, "vae_budget", None),
         )[:2]  # fmt: skip
         return mean, std
 

@@ -26,6 +26,7 @@ import numpy as np
 from .img2img import Image2Image, draw_for_image, image_tensor
 from .pipeline import GenerationRequest, Timings
 from .schedulers import Scheduler
+from .sizes import latent_size
 
 
 def binarize(mask: np.ndarray) -> np.ndarray:
@@ -66,8 +67,8 @@ class Inpaint(Image2Image):
         warnings: list[str],
     ) -> tuple[np.ndarray, np.ndarray]:
         n = req.num_images
-        img = self.manifest.image
-        shape = (n, img["latent_channels"], img["latent_height"], img["latent_width"])
+        latent_hw = latent_size(self.manifest, (req.height, req.width))
+        shape = (n, self.manifest.image["latent_channels"], *latent_hw)
         image = image_tensor(req.init_image)
         mask = binarize(req.mask)
         if not mask.any():

@@ -29,6 +29,7 @@ from .manifest import Manifest
 from .rng import PerImageGenerators, TorchCPUGenerator
 from .schedulers import Scheduler
 from .session import Session
+from .sizes import latent_size, resolve_size, unet_function
 from .text_inputs import TextInputs
 from .vae_tiling import check_decode, decode_latents
 
@@ -53,6 +54,7 @@ class GenerationRequest:
     mask: np.ndarray | None = None  # HxW uint8 gray: >= 128 (0.5) is repainted, the rest kept
     strength: float | None = None  # default: DEFAULT_STRENGTH of the pipeline
     vae_tiling: str = "auto"  # `sdiree run --vae-tiling`: auto, on or off
+    vae_budget: int | None = None  # `sdiree run --vae-memory`: bytes one VAE call may take
 
     @property
     def edits(self) -> bool:
@@ -118,25 +120,18 @@ def resolve_request(manifest: Manifest, req: GenerationRequest) -> GenerationReq
         raise UserError(f"--guidance-scale {req.guidance_scale} is not a finite number")
     if req.num_images < 1:
         raise UserError(f"--num-images {req.num_images} must be at least 1")
-    img = manifest.image
-    for label, asked, compiled in (
-        ("width", req.width, img["width"]),
-        ("height", req.height, img["height"]),
-    ):
-        if asked is not None and (asked <= 0 or asked % 8):
-            raise UserError(f"--{label} {asked} is not a positive multiple of 8; leave it out")
-        if asked is not None and asked != compiled:
-            raise UserError(
-                f"--{label} {asked}: this artifact was compiled for {img['width']}x"
-                f"{img['height']}; recompile with --{label} {asked} or leave it out"
-            )
-    check_decode(manifest, mode=req.vae_tiling)
+    height, width = resolve_size(manifest, req.width, req.height)
+    check_decode(
+        manifest,
+        mode=req.vae_tiling,
+        budget_bytes=req.vae_budget,
+        latent_hw=latent_size(manifest, (height, width)),
+    )
+    req = dataclasses.replace(req, width=width, height=height)
     return dataclasses.replace(
         req,
         steps=steps,
         scheduler=name,
-        width=img["width"],
-        height=img["height"],
         strength=resolve_edit(manifest, req, steps),
     )
 
@@ -177,10 +172,9 @@ def resolve_edit(manifest: Manifest, req: GenerationRequest, steps: int) -> floa
             f"{manifest.root} was compiled by an older sdiree: its VAE encoder gives the latent "
             "mean only, not the distribution img2img samples; recompile it with `sdiree compile`"
         )
-    img = manifest.image
     for what, pixels, want in (
-        ("--init-image", req.init_image, (img["height"], img["width"], 3)),
-        ("--mask", req.mask, (img["height"], img["width"])),
+        ("--init-image", req.init_image, (req.height, req.width, 3)),
+        ("--mask", req.mask, (req.height, req.width)),
     ):
         if pixels is not None and tuple(pixels.shape) != want:
             raise UserError(f"{what} has shape {pixels.shape}, not the artifact's {want}")
@@ -331,6 +325,9 @@ class Text2Image:
         timings = Timings()
         warnings: list[str] = []
         self.used_embeddings = {}
+        self.vae_budget = req.vae_budget
+        if req.height and req.width:
+            self.conditioner.set_image_size(req.height, req.width)
         cfg = req.guidance_scale > 1.0
 
         t0 = time.perf_counter()
@@ -352,7 +349,7 @@ class Text2Image:
         t0 = time.perf_counter()
         images = decode_latents(
             self.session, latents, self.batch, self.vae_dtype, manifest=self.manifest,
-            mode=req.vae_tiling,
+            mode=req.vae_tiling, budget_bytes=req.vae_budget,
         )  # fmt: skip
         timings.decode = time.perf_counter() - t0
         timings.total = time.perf_counter() - t_start
@@ -375,8 +372,8 @@ class Text2Image:
     ) -> tuple[np.ndarray, np.ndarray]:
         """The latents the loop starts from and the timesteps it runs: noise at the
         scheduler's initial sigma, over the whole schedule."""
-        img = self.manifest.image
-        shape = (req.num_images, img["latent_channels"], img["latent_height"], img["latent_width"])
+        latent_hw = latent_size(self.manifest, (req.height, req.width))
+        shape = (req.num_images, self.manifest.image["latent_channels"], *latent_hw)
         latents = generator.randn(shape)
         sched.set_begin_index(0)
         return (latents * np.float32(sched.init_noise_sigma)).astype(np.float32), sched.timesteps
@@ -423,10 +420,11 @@ class Text2Image:
         n = x.shape[0]
         if n < self.batch:
             x = np.concatenate([x, np.zeros((self.batch - n, *x.shape[1:]), x.dtype)])
+        fn = unet_function(self.manifest, x.shape[-2:], guided=scale is not None)
         if scale is None:
-            (eps,) = self.session.call("unet", "denoise", x, tstep, *text)
+            (eps,) = self.session.call("unet", fn, x, tstep, *text)
             return eps[:n].astype(np.float32)
         x = np.concatenate([x] * self.cfg_repeats)
-        (eps,) = self.session.call("unet", "denoise_cfg", x, tstep, *text)
+        (eps,) = self.session.call("unet", fn, x, tstep, *text)
         e_uncond, e_text = np.split(eps.astype(np.float32), 2)
         return (e_uncond + scale * (e_text - e_uncond))[:n]

@@ -293,6 +293,12 @@ def plan_vae(
     functions = module_shapes(manifest, submodule)
     main_hw = next(iter(functions))
     fn = decl.functions[functions[main_hw]]
+    # A standard deviation is blended as its log: diffusers blends the log-variance.
+    in_log = tuple(o.name.endswith("_std") for o in fn.outputs)
+    if tuple(in_hw) != main_hw and tuple(in_hw) in functions:
+        # A function of this very size (another of `sdiree compile --sizes`, or an edge tile's
+        # shape, which fits in a tile, so diffusers would not tile it either): whole.
+        return VaeCalls(submodule, False, functions[tuple(in_hw)], max(in_hw), functions, in_log)
     batch, itemsize = fn.inputs[0].shape[0], np.dtype(fn.inputs[0].dtype).itemsize
     if submodule == "vae_decoder":
         latent_hw, module_hw = tuple(in_hw), main_hw
@@ -303,19 +309,24 @@ def plan_vae(
         call_bytes = encode_bytes(main_hw, batch, itemsize)
     force = {"auto": None, "on": True, "off": False}[mode]
     tiled = needs_tiling(latent_hw, module_hw, force, budget_bytes, tile_bytes=call_bytes)
-    # A standard deviation is blended as its log: diffusers blends the log-variance.
-    in_log = tuple(o.name.endswith("_std") for o in fn.outputs)
     return VaeCalls(submodule, tiled, functions[main_hw], max(main_hw), functions, in_log)
 
 
-def check_decode(manifest, *, mode: str = "auto", budget_bytes: int | None = None) -> bool:
-    """Whether the artifact's images decode in tiles; UserError, before any work, where the
-    mode or budget cannot be met (`sdiree run --vae-tiling`)."""
+def check_decode(
+    manifest,
+    *,
+    mode: str = "auto",
+    budget_bytes: int | None = None,
+    latent_hw: Shape | None = None,
+) -> bool:
+    """Whether the artifact's images (of latent_hw; default its main size) decode in tiles;
+    UserError, before any work, where the mode or budget cannot be met (`sdiree run
+    --vae-tiling`)."""
     _check_mode(mode)
     if "vae_decoder" not in manifest.submodules:  # a manifest that does not declare it (fakes)
         return False
     img = manifest.image
-    hw = (img["latent_height"], img["latent_width"])
+    hw = latent_hw or (img["latent_height"], img["latent_width"])
     return plan_vae(manifest, "vae_decoder", hw, mode=mode, budget_bytes=budget_bytes).tiled
 
 

@@ -83,7 +83,7 @@ def plan_for(builder, submodule: str):
         return plan_unet(
             model,
             batch=p.batch_size,
-            latent_hw=p.latent_hw,
+            latent_hws=p.latent_hws,
             text_len=max_length,
             text_dim=p.configs["unet"]["cross_attention_dim"],
             dtype=dtype,

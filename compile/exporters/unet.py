@@ -7,7 +7,10 @@ the unconditional half). The timestep is one float32 value. A UNet with added co
 (SDXL's `addition_embed_type` "text_time") takes it after the text, one row per text row:
 `text_embeds` (the second text encoder's pooled projection, in the model's dtype) and
 `time_ids` (original size, crop top-left, target size; float32, as the UNet's sinusoidal
-projection computes in float32 whatever it is given).
+projection computes in float32 whatever it is given). An artifact compiled for more image
+sizes (`sdiree compile --sizes`) has its functions again per extra size, named for its latents
+(`denoise_cfg_96x64`); all share the parameters, so each conv's Winograd tile (which names a
+derived weight) is chosen once, at the main size.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def plan_unet(
     unet: torch.nn.Module,
     *,
     batch: int,
-    latent_hw: tuple[int, int],
+    latent_hws: list[tuple[int, int]],
     text_len: int,
     text_dim: int,
     dtype: torch.dtype,
@@ -84,7 +87,7 @@ def plan_unet(
 ) -> ExportPlan:
     channels = unet.config.in_channels
     out_channels = unet.config.out_channels
-    h, w = latent_hw
+    h, w = latent_hws[0]  # the main size; the others get functions named for their latents
     tiles = None
     if winograd4_min_side:  # F(4x4) where a conv's input is large, the conv choice's tile elsewhere
         sides = conv_input_sides(
@@ -123,7 +126,8 @@ def plan_unet(
         def denoise(root, sample, timestep, encoder_hidden_states):
             return root(sample, timestep, encoder_hidden_states)
 
-    def spec(fn, b):
+    def spec(fn, b, hw):
+        h, w = hw
         added = ()
         if added_conditioning:
             added = (
@@ -131,7 +135,7 @@ def plan_unet(
                 TensorSpec("time_ids", (b, added_conditioning["time_ids"]), "float32"),
             )
         return FunctionSpec(
-            name=fn.__name__,
+            name=fn.__name__ if hw == latent_hws[0] else f"{fn.__name__}_{h}x{w}",
             inputs=(
                 TensorSpec("sample", (batch, channels, h, w), dt),
                 TensorSpec("timestep", (1,), "float32"),
@@ -147,7 +151,11 @@ def plan_unet(
         scope="unet",
         root=entry,
         params_module=unet,
-        functions=[spec(denoise_cfg, 2 * batch), spec(denoise, batch)],
+        functions=[
+            f
+            for hw in latent_hws
+            for f in (spec(denoise_cfg, 2 * batch, hw), spec(denoise, batch, hw))
+        ],
         options={"attention": attention, "conv": conv, "winograd4_min_side": winograd4_min_side},
         derived=derived,
     )

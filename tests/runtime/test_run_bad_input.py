@@ -57,6 +57,12 @@ BAD = [
     (["--height", 0], "--height 0 is not a positive multiple of 8"),
     (["--width", 12], "--width 12 is not a positive multiple of 8"),
     (["--width", 128], "this artifact was compiled for 64x64"),
+    (
+        ["--width", 64, "--height", 48],
+        "64x48 px: this artifact was compiled for 64x64; recompile with --sizes 64x48",
+    ),
+    (["--vae-memory", 0], "--vae-memory 0: give the MiB one VAE call may take"),
+    (["--vae-memory", 1], "memory budget 1 MiB is below the ~"),
     (["-o", "{tmp}/o.jpg"], "must end in .png"),
     (["-o", "{tmp}/missing/o.png"], "does not exist; create it or choose another -o"),
     (["-o", "{tmp}/exists.png"], "exists.png exists; pass --overwrite to replace it"),

@@ -1,0 +1,109 @@
+"""`sdiree compile --sizes`: one artifact runs several image sizes, each as diffusers makes it.
+
+The tiny model compiled at 64x64 plus three sizes (smaller, taller, and with odd latent sides,
+which diffusers' UNet upsamples to the skip connections' sizes) for cpu and lavapipe; images
+at the extra sizes through `sdiree run`'s own code path against diffusers' at those sizes
+(PSNR >= 40 dB), and the one-line refusals of a size the artifact lacks.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from parity import diffusers_images, psnr  # noqa: E402
+
+PROMPT = "a lighthouse at dusk, oil painting"
+SIZES = ((64, 48), (40, 64), (40, 40))  # (height, width) px, besides the main 64x64
+# lavapipe runs the tiny UNet at ~2 s a step: fewer steps there.
+TARGETS = {"cpu": ("cpu", "host", 12), "vulkan-lavapipe": ("vulkan-spirv", "lavapipe", 4)}
+
+
+@pytest.fixture(scope="module", params=list(TARGETS))
+def sized(request, tiny_model, tmp_path_factory):
+    from sdiree.compile.driver import CompileOptions, compile_model
+    from sdiree.compile.report import Reporter
+
+    target, arch, steps = TARGETS[request.param]
+    out = tmp_path_factory.mktemp("sizes") / f"{target}-{arch}"
+    opts = CompileOptions(
+        tiny_model, target, arch=arch, out=out, sizes=SIZES,
+        submodules=("text_encoder", "unet", "vae_decoder"),
+    )  # fmt: skip
+    compile_model(opts, Reporter(stream=io.StringIO()))
+    return out, steps
+
+
+def run_image(art: Path, tmp_path: Path, width: int, height: int, steps: int) -> np.ndarray:
+    from PIL import Image
+
+    from sdiree.runtime.generate import generate_to_files
+
+    png = tmp_path / f"{width}x{height}.png"
+    generate_to_files(
+        artifact_dir=art, prompt=PROMPT, negative_prompt="", steps=steps, guidance_scale=7.5,
+        scheduler="euler", seed=42, num_images=1, width=width, height=height, output=png,
+    )  # fmt: skip
+    with Image.open(png) as im:
+        assert im.text["parameters"].count(f"Size: {width}x{height}") == 1
+        return np.asarray(im.convert("RGB"))[None]
+
+
+def test_manifest_lists_the_sizes_and_their_functions(sized):
+    from sdiree.runtime.manifest import load_manifest
+    from sdiree.runtime.sizes import compiled_sizes
+
+    manifest = load_manifest(sized[0])
+    assert compiled_sizes(manifest) == [(64, 64), *SIZES]
+    unet = manifest.submodules["unet"].functions
+    shapes = {name: fn.inputs[0].shape[-2:] for name, fn in unet.items()}
+    assert shapes == {
+        "denoise_cfg": (8, 8), "denoise": (8, 8),
+        "denoise_cfg_8x6": (8, 6), "denoise_8x6": (8, 6),
+        "denoise_cfg_5x8": (5, 8), "denoise_5x8": (5, 8),
+        "denoise_cfg_5x5": (5, 5), "denoise_5x5": (5, 5),
+    }  # fmt: skip
+    decoder = manifest.submodules["vae_decoder"].functions
+    assert sorted(fn.inputs[0].shape[-2:] for fn in decoder.values()) == sorted(
+        [(8, 8), (8, 6), (5, 8), (5, 5)]
+    )
+
+
+@pytest.mark.parametrize("height,width", SIZES, ids=[f"{w}x{h}" for h, w in SIZES])
+def test_each_size_matches_diffusers(sized, tiny_model, tmp_path, height, width):
+    art, steps = sized
+    ours = run_image(art, tmp_path, width, height, steps)
+    ref = diffusers_images(tiny_model, "euler", steps, 7.5, 42, PROMPT, "", 1, (height, width))
+    assert ours.shape == ref.shape == (1, height, width, 3)
+    assert psnr(ours, ref) >= 40.0
+
+
+def test_a_size_it_was_not_compiled_for_is_refused(sized, tmp_path):
+    from sdiree.runtime.errors import UserError
+
+    with pytest.raises(UserError, match=r"compiled for 64x64, 48x64, 64x40, 40x40; recompile"):
+        run_image(sized[0], tmp_path, 56, 56, 1)
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize(
+    "sizes,says",
+    [
+        ("64x60", "--sizes 64x60: its side 60 is not a positive multiple of 8"),
+        ("64x8192", "is larger than sdiree compiles"),
+        ("64", "'64' is not WIDTHxHEIGHT"),
+        ("64x64;48x48", "is not WIDTHxHEIGHT"),
+    ],
+)
+def test_compile_refuses_bad_sizes(tiny_model, tmp_path, sizes, says):
+    from test_cli_errors import assert_clean_failure, run_compile
+
+    out = tmp_path / "out"
+    proc = run_compile(tiny_model, "--target", "cpu", "--sizes", sizes, "--out", out)
+    assert_clean_failure(proc, says)
+    assert not out.exists()
