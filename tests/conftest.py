@@ -99,14 +99,21 @@ SDXL_AHEAD = (
     ("cuda", "sm_80", "fp16"),
 )
 SDXL_TESTS = ("tests/compile/test_sdxl_targets.py", "tests/runtime/test_sdxl_parity.py")
+# The tiny SD 1.x compiled for more image sizes (`--sizes`), for tests/compile/test_compile_sizes.py.
+SIZES = ((64, 48), (40, 64), (40, 40))  # (height, width) px, besides the main 64x64
+SIZES_AHEAD = (("cpu", "host", "fp32"), ("vulkan-spirv", "lavapipe", "fp32"))
 _ahead_wanted = False
 _sdxl_ahead_wanted = False
+_sizes_ahead_wanted = False
 
 
 def pytest_collection_modifyitems(items):
-    global _ahead_wanted, _sdxl_ahead_wanted
+    global _ahead_wanted, _sdxl_ahead_wanted, _sizes_ahead_wanted
     _ahead_wanted = any(i.nodeid.startswith("tests/compile/test_compile_targets.py") for i in items)
     _sdxl_ahead_wanted = any(i.nodeid.startswith(SDXL_TESTS) for i in items)
+    _sizes_ahead_wanted = any(
+        i.nodeid.startswith("tests/compile/test_compile_sizes.py") for i in items
+    )
 
 
 class AheadQueue:
@@ -175,21 +182,24 @@ class CompiledArtifacts:
     background process compiles one after another while the tests run. get() takes a queued key
     that the background has not started yet and compiles it itself, so both cores stay busy."""
 
-    def __init__(self, model: Path, root: Path):
+    def __init__(self, model: Path, root: Path, sizes: tuple = ()):
         self.model = model
         self.root = root
+        self.sizes = sizes  # `--sizes` besides the model's own, (height, width) px
         self._done: dict = {}
         self._ahead: dict[tuple, Future] = {}  # started in the background
 
     def out_dir(self, target: str, arch: str, dtype: str) -> Path:
-        return self.root / self.model.name / f"{target}-{arch}-{dtype}"
+        more = "".join(f"+{h}x{w}" for h, w in self.sizes)
+        return self.root / self.model.name / f"{target}-{arch}-{dtype}{more}"
 
     def command(self, key: tuple) -> list[str]:
         target, arch, dtype = key
+        sizes = ["--sizes", ",".join(f"{w}x{h}" for h, w in self.sizes)] if self.sizes else []
         return [
             sys.executable, "-m", "sdiree.runtime.cli", "compile", str(self.model),
             "--target", target, "--arch", arch, "--dtype", dtype,
-            "--out", str(self.out_dir(*key)),
+            "--out", str(self.out_dir(*key)), *sizes,
         ]  # fmt: skip
 
     def compile_ahead(self, keys) -> None:
@@ -220,6 +230,7 @@ class CompiledArtifacts:
                     arch=arch,
                     dtype=dtype,
                     out=self.out_dir(*key),
+                    sizes=self.sizes,
                 ),
                 Reporter(stream=io.StringIO()),
             )
@@ -254,6 +265,17 @@ def compiled_sdxl(tiny_sdxl_model, artifacts_root):
     artifacts = CompiledArtifacts(tiny_sdxl_model, artifacts_root)
     if _sdxl_ahead_wanted:
         artifacts.compile_ahead(SDXL_AHEAD)
+    yield artifacts
+    artifacts.stop_ahead()
+
+
+@pytest.fixture(scope="session")
+def compiled_sizes(tiny_model, artifacts_root):
+    """The tiny SD 1.x compiled at 64x64 and the SIZES too: queued for the background compile
+    when tests/compile/test_compile_sizes.py is collected (after the others), else on first use."""
+    artifacts = CompiledArtifacts(tiny_model, artifacts_root, sizes=SIZES)
+    if _sizes_ahead_wanted:
+        artifacts.compile_ahead(SIZES_AHEAD)
     yield artifacts
     artifacts.stop_ahead()
 

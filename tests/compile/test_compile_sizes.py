@@ -8,7 +8,6 @@ at the extra sizes through `sdiree run`'s own code path against diffusers' at th
 
 from __future__ import annotations
 
-import io
 import sys
 from pathlib import Path
 
@@ -16,27 +15,19 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from conftest import SIZES  # noqa: E402
 from parity import diffusers_images, psnr  # noqa: E402
 
 PROMPT = "a lighthouse at dusk, oil painting"
-SIZES = ((64, 48), (40, 64), (40, 40))  # (height, width) px, besides the main 64x64
 # lavapipe runs the tiny UNet at ~2 s a step: fewer steps there.
 TARGETS = {"cpu": ("cpu", "host", 12), "vulkan-lavapipe": ("vulkan-spirv", "lavapipe", 4)}
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))
-def sized(request, tiny_model, tmp_path_factory):
-    from sdiree.compile.driver import CompileOptions, compile_model
-    from sdiree.compile.report import Reporter
-
+def sized(request, compiled_sizes):
+    """An artifact of the tiny model at 64x64 and SIZES (tests/conftest.py), and its steps."""
     target, arch, steps = TARGETS[request.param]
-    out = tmp_path_factory.mktemp("sizes") / f"{target}-{arch}"
-    opts = CompileOptions(
-        tiny_model, target, arch=arch, out=out, sizes=SIZES,
-        submodules=("text_encoder", "unet", "vae_decoder"),
-    )  # fmt: skip
-    compile_model(opts, Reporter(stream=io.StringIO()))
-    return out, steps
+    return compiled_sizes.get(target, arch, "fp32"), steps
 
 
 def run_image(art: Path, tmp_path: Path, width: int, height: int, steps: int) -> np.ndarray:
