@@ -49,7 +49,7 @@ def test_unet_archives_equal_the_loaded_models(tiny_model, tmp_path, dtype):
 
     def plan(model):
         return plan_unet(
-            model, batch=1, latent_hw=(8, 8), text_len=77,
+            model, batch=1, latent_hws=[(8, 8)], text_len=77,
             text_dim=model.config.cross_attention_dim, dtype=dtype, attention="sdpa",
             conv="winograd", winograd4_min_side=8,
         )  # fmt: skip

@@ -183,7 +183,7 @@ def test_winograd4_min_side_gives_large_inputs_f4_and_names_the_mix():
 
     def plan(latent, min_side):
         return plan_unet(
-            tiny_unet(16), batch=1, latent_hw=(latent, latent), text_len=5, text_dim=16,
+            tiny_unet(16), batch=1, latent_hws=[(latent, latent)], text_len=5, text_dim=16,
             dtype=torch.float32, attention="decomposed", conv="winograd",
             winograd4_min_side=min_side,
         )  # fmt: skip
@@ -214,6 +214,6 @@ def test_winograd4_min_side_gives_large_inputs_f4_and_names_the_mix():
     assert plan(16, 64).derived == "winograd2"  # none large enough
     with pytest.raises(ValueError, match="need a Winograd conv choice"):
         plan_unet(
-            tiny_unet(16), batch=1, latent_hw=(16, 16), text_len=5, text_dim=16,
+            tiny_unet(16), batch=1, latent_hws=[(16, 16)], text_len=5, text_dim=16,
             dtype=torch.float32, attention="decomposed", conv="matmul", winograd4_min_side=16,
         )  # fmt: skip
