@@ -244,9 +244,9 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
         ),
         reporter,
     )
-    compiled = compile_times(reporter)
     art = manifest_path.parent
     manifest = load_manifest(art)
+    compiled = compile_times(reporter, tuple(manifest.submodules))
     img = manifest.image
     config = scheduler_config(manifest)
     sched = schedulers.name_for_config(config)

@@ -21,11 +21,12 @@ from .bench_sides import FIGURES, SIDES
 SUBMODULE_OF_ITEM = {"vae": "vae_decoder"}  # the VAE's load and shared archive
 
 
-def compile_times(reporter) -> dict:
-    """Seconds per submodule from the compile Reporter; 'reused' when nothing was redone."""
+def compile_times(reporter, submodules=None) -> dict:
+    """Seconds per submodule (the artifact's, SD 1.x's by default) from the compile Reporter;
+    'reused' when nothing was redone."""
     from .driver import SUBMODULES
 
-    subs = {s: {"status": "reused", "seconds": 0.0, "stages": {}} for s in SUBMODULES}
+    subs = {s: {"status": "reused", "seconds": 0.0, "stages": {}} for s in submodules or SUBMODULES}
     shared = {}
     for r in reporter.records:
         base = r.item.split(".")[0]  # "unet.winograd2": the UNet's derived-weights archive
