@@ -98,7 +98,11 @@ SDXL_AHEAD = (
     ("rocm", "gfx942", "fp16"),
     ("cuda", "sm_80", "fp16"),
 )
-SDXL_TESTS = ("tests/compile/test_sdxl_targets.py", "tests/runtime/test_sdxl_parity.py")
+SDXL_TESTS = (
+    "tests/compile/test_sdxl_targets.py",
+    "tests/runtime/test_sdxl_parity.py",
+    "tests/compile/test_bench_families.py",
+)
 # The tiny SD 1.x compiled for more image sizes (`--sizes`), for tests/compile/test_compile_sizes.py.
 SIZES = ((64, 48), (40, 64), (40, 40))  # (height, width) px, besides the main 64x64
 SIZES_AHEAD = (("cpu", "host", "fp32"), ("vulkan-spirv", "lavapipe", "fp32"))
