@@ -47,22 +47,24 @@ def sd2_manifest(out, target, dtype):
 def test_sd2_modules_match_torch(compiled_sd2, target, arch, dtype):
     out = compiled_sd2.get(target, arch, dtype)
     sd2_manifest(out, target, dtype)
+    assert_modules_match_torch(out, dtype, SUBMODULES)
+
+
+def assert_modules_match_torch(out, dtype: str, submodules: set[str]) -> None:
+    """`verify` of every submodule of the artifact at out: within its dtype's tolerance, and
+    fp32 ones within 1e-4 of torch."""
     results = check_parity(out)
-    assert {r.submodule for r in results} == SUBMODULES
+    assert {r.submodule for r in results} == submodules
     for r in results:
         assert r.tolerance == TOLERANCE[dtype]
         assert r.ok, r.line()
     assert max(r.rel for r in results) <= 1e-4
 
 
-@pytest.mark.parametrize(
-    "target,arch,dtype", [("rocm", "gfx942", "fp16"), ("cuda", "sm_80", "fp16")]
-)
-def test_sd2_gpu_targets_compile_and_load(compiled_sd2, target, arch, dtype):
+def assert_gpu_modules_load(m, target: str) -> None:
+    """Every module of manifest m holds the target's executable and its entry functions."""
     import iree.runtime as rt
 
-    m = sd2_manifest(compiled_sd2.get(target, arch, dtype), target, dtype)
-    assert m.data["target"]["export"]["attention"] == "sdpa"  # upcast layers: fp32 fused op
     instance = rt.VmInstance()
     expected_format = {"rocm": b"rocm-hsaco-fb", "cuda": b"cuda-nvptx-fb"}[target]
     for name, sub in m.submodules.items():
@@ -71,3 +73,12 @@ def test_sd2_gpu_targets_compile_and_load(compiled_sd2, target, arch, dtype):
         for fn in sub.functions:
             assert module.lookup_function(fn) is not None, (name, fn)
         assert expected_format in vmfb.read_bytes(), f"{name}.vmfb has no {target} executable"
+
+
+@pytest.mark.parametrize(
+    "target,arch,dtype", [("rocm", "gfx942", "fp16"), ("cuda", "sm_80", "fp16")]
+)
+def test_sd2_gpu_targets_compile_and_load(compiled_sd2, target, arch, dtype):
+    m = sd2_manifest(compiled_sd2.get(target, arch, dtype), target, dtype)
+    assert m.data["target"]["export"]["attention"] == "sdpa"  # upcast layers: fp32 fused op
+    assert_gpu_modules_load(m, target)

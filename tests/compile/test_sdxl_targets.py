@@ -10,10 +10,10 @@ import json
 import shutil
 
 import pytest
+from test_sd2_targets import assert_gpu_modules_load, assert_modules_match_torch
 
 from sdiree.compile.plan import CompileOptions, resolve
 from sdiree.compile.report import Reporter
-from sdiree.compile.verify import TOLERANCE, check_parity
 from sdiree.runtime.errors import UserError
 from sdiree.runtime.families import load_families
 from sdiree.runtime.manifest import check_files, load_manifest
@@ -69,20 +69,13 @@ def test_sdxl_modules_match_torch(compiled_sdxl, target, arch, dtype):
         "upcast": False,
         "config": {"force_upcast": True},
     }
-    results = check_parity(out)
-    assert {r.submodule for r in results} == SUBMODULES
-    for r in results:
-        assert r.tolerance == TOLERANCE[dtype]
-        assert r.ok, r.line()
-    assert max(r.rel for r in results) <= 1e-4
+    assert_modules_match_torch(out, dtype, SUBMODULES)
 
 
 @pytest.mark.parametrize(
     "target,arch,dtype", [("rocm", "gfx942", "fp16"), ("cuda", "sm_80", "fp16")]
 )
 def test_sdxl_gpu_targets_compile_and_load_with_an_fp32_vae(compiled_sdxl, target, arch, dtype):
-    import iree.runtime as rt
-
     m = sdxl_manifest(compiled_sdxl.get(target, arch, dtype), target, dtype)
     # force_upcast: the VAE computes in fp32 in the fp16 build, everything else in fp16
     assert m.data["vae_precision"] == {
@@ -95,14 +88,7 @@ def test_sdxl_gpu_targets_compile_and_load_with_an_fp32_vae(compiled_sdxl, targe
         for fn in sub.functions.values():
             floats = {t.dtype for t in fn.inputs if t.dtype.startswith("float")} - {"float32"}
             assert floats <= {want} and (want == "float32") == (not floats), (name, fn.name)
-    instance = rt.VmInstance()
-    expected_format = {"rocm": b"rocm-hsaco-fb", "cuda": b"cuda-nvptx-fb"}[target]
-    for name, sub in m.submodules.items():
-        vmfb = m.path(sub.vmfb)
-        module = rt.VmModule.mmap(instance, str(vmfb))
-        for fn in sub.functions:
-            assert module.lookup_function(fn) is not None, (name, fn)
-        assert expected_format in vmfb.read_bytes(), f"{name}.vmfb has no {target} executable"
+    assert_gpu_modules_load(m, target)
 
 
 def _resolve(model, tmp_path, **kw):
