@@ -15,8 +15,9 @@ Every tokenizer is CLIP's real BPE (sdiree's specs/models/clip-bpe: 49,408 token
 SDXL's tokenizer_2 pad with "!", as OpenCLIP's does). Weights are safetensors under the names
 from_pretrained reads without a variant (sdiree reads no other): fp32 by default, fp16 with
 `--dtype fp16` (the weights the real repos' ".fp16" variant files hold, under the plain names).
-The text encoders' configs name the dtype written ("torch_dtype"; transformers 5 loads that
-dtype by default). Initialisation is each layer's own (diffusers: PyTorch's defaults;
+Every config is the preset's as it is, as in the real repos, whose fp32 and fp16 files share
+one config: SDXL's text encoder configs say "torch_dtype": "float16" over fp32 files, and
+transformers 5 loads a model in its config's dtype unless told otherwise. Initialisation is each layer's own (diffusers: PyTorch's defaults;
 transformers: the model's post-init), deterministic from the seed.
 
 Memory: a diffusers component (UNet, VAE) is built on torch's meta device and written one layer
@@ -131,7 +132,7 @@ def build(index: dict, component: str, config: dict, device: str = "meta"):
     with torch.device(device):
         if library == "diffusers":
             return cls.from_config(config)
-        return cls(cls.config_class.from_dict({**config, "torch_dtype": "float32"}))
+        return cls(cls.config_class.from_dict(config))
 
 
 def parameter_counts(family: str, narrow: int = 1) -> dict[str, int]:
@@ -217,7 +218,6 @@ def write_component(out: Path, index: dict, component: str, config: dict, seed: 
         shapes = {k: tuple(v.shape) for k, v in tensors.items()}
         stream = _layerwise_tensors(module, list(shapes))
     else:
-        config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
         module = build(index, component, config, "cpu")
         tensors = module.state_dict()
         shapes = {k: tuple(v.shape) for k, v in tensors.items()}
