@@ -70,7 +70,7 @@ WEIGHT_FILES = {
     "transformers": "model.safetensors",
 }
 CONFIG_FILES = {"scheduler": "scheduler_config.json"}  # every other component: config.json
-_ST_DTYPES = {"float32": "F32", "float16": "F16", "int64": "I64"}
+_ST_DTYPES = {"float32": "F32", "float16": "F16"}
 
 
 def preset_dir(family: str) -> Path:

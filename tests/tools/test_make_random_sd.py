@@ -52,7 +52,7 @@ def test_narrowed_write_is_its_family_and_loads_in_diffusers(tmp_path, family):
     out = make_random_sd.make_random_sd(tmp_path / family, family=family, narrow=NARROW)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left
     source = open_model(out)
-    assert source.family.name == SDIREE_FAMILY[family]
+    assert source.family.name == make_random_sd.FAMILIES[family][1] == SDIREE_FAMILY[family]
     index, configs = make_random_sd.read_preset(family, NARROW)
     assert source.index["_class_name"] == PIPELINES[family]
 
