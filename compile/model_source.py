@@ -191,8 +191,14 @@ class ModelSource:
         """Instantiate a component with its library class (diffusers or transformers)."""
         library, cls_name = self.component_class(component)
         cls = getattr(importlib.import_module(library), cls_name)
+        # In float32 whatever the config's torch_dtype says: transformers 5 loads a model in
+        # that dtype by default, and SDXL's released text-encoder configs say float16 over
+        # float32 files (the export casts to the compile's dtype itself).
+        import torch
+
+        dtype = {"dtype" if library == "transformers" else "torch_dtype": torch.float32}
         try:
-            return cls.from_pretrained(self.path / component, local_files_only=True)
+            return cls.from_pretrained(self.path / component, local_files_only=True, **dtype)
         except Exception as e:  # noqa: BLE001 - any loader failure is a bad model folder
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"could not load {component} from {self.path}: {msg}") from None

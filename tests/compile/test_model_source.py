@@ -110,3 +110,17 @@ def test_bad_unet_entry(model_copy, entry, says):
     with pytest.raises(UserError) as info:
         open_model(model_copy)
     assert says in str(info.value)
+
+
+def test_components_load_in_float32_whatever_their_config_says(model_copy):
+    """SDXL's released text-encoder configs say torch_dtype float16 over float32 files, and
+    transformers 5 loads in the config's dtype unless told: the compile must see the file's
+    float32 values, not half-rounded ones."""
+    import torch
+
+    path = model_copy / "text_encoder" / "config.json"
+    config = json.loads(path.read_text())
+    config.update(torch_dtype="float16", dtype="float16")
+    path.write_text(json.dumps(config))
+    model = open_model(model_copy).load("text_encoder")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
