@@ -33,6 +33,15 @@ def _text(ref) -> str:
     return bytes(memoryview(ref.deref(rt.VmBuffer))).decode()
 
 
+def file_io(device) -> bool:
+    """Whether device's driver moves parameters to and from file descriptors: iree 3.13's
+    local drivers do; its Vulkan driver refuses ("Vulkan fd file transfers require a
+    proactor-backed async file handle"), so there the files are mapped."""
+    from ..device import CPU_DRIVERS
+
+    return str(device).split(":")[0] in CPU_DRIVERS  # a HalDevice's str is its driver's id
+
+
 def run_encoder(
     encoder_vmfb: Path, sources: list, scope: str, out: Path | None, device, into=None
 ) -> int:
@@ -40,7 +49,8 @@ def run_encoder(
     and write the parameters it produces for `scope` to out (atomically), or with `into`
     ({key: writable uint8 array} of every data parameter) into those arrays. Returns how
     many parameters were written; 0 (and no file) when the module had nothing to
-    precompute."""
+    precompute. out is written through a file handle where the driver can (file_io), else
+    through a writable mapping."""
     import iree.runtime as rt
 
     from ..session import map_module
@@ -101,8 +111,26 @@ def run_encoder(
         written = layout.create_archive_file(str(tmp))
         offsets = {k: int(e.file_storage[1]) for k, e in written.items() if k in lengths}
         del written  # its mapping of the file
-        _encode_to_file(functions, context, device, scope, tmp, lengths, offsets)
+        if file_io(device):
+            _encode_to_file(functions, context, device, scope, tmp, lengths, offsets)
+        else:
+            _encode_to_mapping(functions, context, device, scope, tmp, lengths, offsets)
     return count
+
+
+def _encode_to_mapping(functions, context, device, scope, path, lengths, offsets) -> None:
+    """Encode into the data entries of the laid-out archive at path through a writable
+    mapping of it (its dirty pages count in the process's RSS until written back)."""
+    import iree.runtime as rt
+
+    mapped = np.memmap(path, np.uint8, mode="r+")
+    output = rt.ParameterIndex()
+    for key, length in lengths.items():
+        output.add_buffer(key, mapped[offsets[key] : offsets[key] + length], writable=True)
+    ctx = context(output.create_provider(scope=scope))
+    _encode(functions, ctx, device)
+    mapped.flush()
+    del ctx, output, mapped
 
 
 def _encode_to_file(functions, context, device, scope, path, lengths, offsets) -> None:
