@@ -20,7 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from sdiree.runtime.fileutil import temp_path_for
-from sdiree.runtime.session import parameter_providers
+from sdiree.runtime.session import parameter_providers, read_parameter_providers
+from sdiree.runtime.weights.encoder import file_io
 from sdiree.runtime.weights.encoder import run_encoder as _run_encoder
 from sdiree.runtime.weights.pages import store_encoded
 
@@ -40,13 +41,20 @@ def run_encoder(
 ) -> int:
     """run_encoder (sdiree.runtime.weights.encoder) over input archives [(scope, path)] on a
     new device of driver, its output kept at out as a paged archive (each distinct page once:
-    the packed copies of a weight for different matmul sizes are byte-identical)."""
+    the packed copies of a weight for different matmul sizes are byte-identical). Where the
+    driver can (file_io) the inputs are read and the output written through file handles,
+    never mapped: SD 1.5's UNet encodes in < 1 GiB instead of 14-17 GiB of mapped pages."""
     import iree.runtime as rt
 
     device = rt.get_driver(driver).create_default_device()
     raw = temp_path_for(out.with_name(f"{out.stem}.raw{out.suffix}"))
     try:
-        count = _run_encoder(encoder_vmfb, parameter_providers(inputs), scope, raw, device)
+        if file_io(device):
+            with read_parameter_providers(inputs) as sources:
+                count = _run_encoder(encoder_vmfb, sources, scope, raw, device)
+                del sources
+        else:
+            count = _run_encoder(encoder_vmfb, parameter_providers(inputs), scope, raw, device)
         if count:
             store_encoded(raw, out)
     finally:

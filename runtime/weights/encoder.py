@@ -11,12 +11,13 @@ IREE's own driver for this, `iree-encode-parameters`, is not in the iree-base-ru
 `run_encoder` does what it does through the Python runtime: the encoder's exported functions are
 found by their `iree.encode.function` reflection attribute; `indices` lists the output
 parameters (per scope: kind, key, byte length, alignment or splat pattern); `steps` and then
-`encode` (coarse-fences ABI) fill them through an io_parameters provider backed by writable
-views of the output archive, laid out beforehand.
+`encode` (coarse-fences ABI) fill them through an io_parameters provider backed by a writable
+file handle on the output archive, laid out beforehand (or by arrays the caller gives).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,15 @@ def _text(ref) -> str:
     return bytes(memoryview(ref.deref(rt.VmBuffer))).decode()
 
 
+def file_io(device) -> bool:
+    """Whether device's driver moves parameters to and from file descriptors: iree 3.13's
+    local drivers do; its Vulkan driver refuses ("Vulkan fd file transfers require a
+    proactor-backed async file handle"), so there the files are mapped."""
+    from ..device import CPU_DRIVERS
+
+    return str(device).split(":")[0] in CPU_DRIVERS  # a HalDevice's str is its driver's id
+
+
 def run_encoder(
     encoder_vmfb: Path, sources: list, scope: str, out: Path | None, device, into=None
 ) -> int:
@@ -39,7 +49,8 @@ def run_encoder(
     and write the parameters it produces for `scope` to out (atomically), or with `into`
     ({key: writable uint8 array} of every data parameter) into those arrays. Returns how
     many parameters were written; 0 (and no file) when the module had nothing to
-    precompute."""
+    precompute. out is written through a file handle where the driver can (file_io), else
+    through a writable mapping."""
     import iree.runtime as rt
 
     from ..session import map_module
@@ -65,9 +76,8 @@ def run_encoder(
         ctx.invoke(fn, args or rt.VmVariantList(0), out_list)
         return out_list
 
-    # The archive is laid out first, zero-filled, then its data entries are mapped writable and
-    # handed to the encoder: its output goes to the page cache, not to gigabytes of process
-    # memory (the SD 1.5-size UNet's is 10 GB).
+    # The archive is laid out first, zero-filled (the never-written np.zeros below cost no
+    # memory), then the encoder writes its data entries through a file handle.
     layout = rt.ParameterIndex()
     lengths = {}
     scopes = invoke(context(), functions["indices"]).get_as_list(0)
@@ -99,16 +109,48 @@ def run_encoder(
         return count
     with atomic_path(out) as tmp:
         written = layout.create_archive_file(str(tmp))
-        offsets = {k: e.file_storage[1] for k, e in written.items() if k in lengths}
-        mapped = np.memmap(tmp, np.uint8, mode="r+")
+        offsets = {k: int(e.file_storage[1]) for k, e in written.items() if k in lengths}
+        del written  # its mapping of the file
+        if file_io(device):
+            _encode_to_file(functions, context, device, scope, tmp, lengths, offsets)
+        else:
+            _encode_to_mapping(functions, context, device, scope, tmp, lengths, offsets)
+    return count
+
+
+def _encode_to_mapping(functions, context, device, scope, path, lengths, offsets) -> None:
+    """Encode into the data entries of the laid-out archive at path through a writable
+    mapping of it (its dirty pages count in the process's RSS until written back)."""
+    import iree.runtime as rt
+
+    mapped = np.memmap(path, np.uint8, mode="r+")
+    output = rt.ParameterIndex()
+    for key, length in lengths.items():
+        output.add_buffer(key, mapped[offsets[key] : offsets[key] + length], writable=True)
+    ctx = context(output.create_provider(scope=scope))
+    _encode(functions, ctx, device)
+    mapped.flush()
+    del ctx, output, mapped
+
+
+def _encode_to_file(functions, context, device, scope, path, lengths, offsets) -> None:
+    """Encode into the data entries of the laid-out archive at path through a writable file
+    handle: the encoder's results are written to the file, never mapped (a writable mapping of
+    the SD 1.5-size UNet's 11 GB output held ~10 GiB of dirty file pages in the process)."""
+    import iree.runtime as rt
+
+    fd = os.open(path, os.O_RDWR)
+    try:
+        handle = rt.FileHandle.wrap_fd(fd, readable=True, writable=True)
         output = rt.ParameterIndex()
         for key, length in lengths.items():
-            output.add_buffer(key, mapped[offsets[key] : offsets[key] + length], writable=True)
+            output.add_from_file_handle(key, handle, length, offsets[key])
         ctx = context(output.create_provider(scope=scope))
         _encode(functions, ctx, device)
-        mapped.flush()
-        del ctx, output, mapped, written
-    return count
+        del ctx, output, handle
+        os.fsync(fd)
+    finally:
+        os.close(fd)  # iree does not close a wrapped fd
 
 
 def _encode(functions: dict, ctx, device) -> None:

@@ -131,6 +131,47 @@ def test_main_module_reads_the_encoded_archive(built):
     assert np.abs(stale - want).max() > 1.0
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc/self/maps")
+def test_the_encoder_maps_neither_its_inputs_nor_its_output(built, tmp_path, monkeypatch):
+    """On cpu the encoder reads and writes files through handles: a mapping of the SD 1.5 UNet's
+    archives held 14-17 GiB of file pages in the compile's RSS. Its output is the same bytes as
+    the encoder writes into given buffers from mapped inputs."""
+    import shutil
+
+    import iree.runtime as rt
+
+    from sdiree.runtime.session import parameter_providers
+    from sdiree.runtime.weights import encoder as encoder_module
+
+    d, _, params, _ = built
+    shutil.copy(params, tmp_path / "model.irpa")
+    mapped_during_encode = []
+    real_encode = encoder_module._encode
+
+    def spying_encode(functions, ctx, device):
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        mapped_during_encode.extend(line for line in maps if str(tmp_path) in line)
+        real_encode(functions, ctx, device)
+
+    monkeypatch.setattr(encoder_module, "_encode", spying_encode)
+    out = tmp_path / "enc.irpa"
+    count = run_encoder(
+        d / "enc.vmfb", [("model", tmp_path / "model.irpa")], "m_encoded", out, "local-task"
+    )
+    assert count >= 1
+    assert mapped_during_encode == []
+
+    written = rt.ParameterIndex()
+    written.load(str(out))
+    device = rt.get_driver("local-task").create_default_device()
+    into = {k: np.zeros(e.length, np.uint8) for k, e in written.items() if not e.is_splat}
+    providers = parameter_providers([("model", params)])
+    encoder_module.run_encoder(d / "enc.vmfb", providers, "m_encoded", None, device, into=into)
+    for key, buf in into.items():
+        got = rt.parameter_index_entry_as_numpy_flat_ndarray(dict(written.items())[key])
+        np.testing.assert_array_equal(got, buf)
+
+
 def test_nothing_to_encode_writes_no_encoder(tmp_path):
     """The driver relies on this: no hoisted weights, no encoder module, no encoded archive."""
     src = tmp_path / "id.mlir"
