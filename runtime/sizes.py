@@ -14,6 +14,7 @@ from __future__ import annotations
 from .errors import UserError
 
 Size = tuple[int, int]  # (height, width) in px
+VAE_SCALE = 8  # image px per latent of SD's VAEs, where an older manifest does not say
 
 
 def parse_sizes(text: str) -> tuple[Size, ...]:
@@ -72,7 +73,9 @@ def resolve_size(manifest, width: int | None, height: int | None) -> Size:
 def latent_size(manifest, size: Size) -> Size:
     """The latents' (h, w) of an image of size (px)."""
     img = manifest.image
-    factor = img["height"] // img["latent_height"]
+    factor = img.get("vae_scale_factor") or (
+        img["height"] // img["latent_height"] if "latent_height" in img else VAE_SCALE
+    )
     return size[0] // factor, size[1] // factor
 
 
