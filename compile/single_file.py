@@ -243,19 +243,28 @@ def _read_configs(
     """model_index.json and the components' configs of root, checked against the family the
     checkpoint's keys gave (prediction_type written into the scheduler's)."""
     index = read_json_object(root / "model_index.json", "a pipeline's model_index.json")
-    configs = {}
-    for comp, fname in config_files(det.family).items():
+    wanted = config_files(det.family)
+    # the folder's own family first (from the configs it has), then the ones the file needs
+    named = {c: "config.json" for c, v in index.items() if isinstance(v, list)}
+    found = {}
+    for comp, fname in {**named, **wanted}.items():
         p = root / comp / fname
-        configs[comp] = check_config(read_json_object(p, f"{comp}'s config"), comp, p)
-    if prediction_type is not None:
-        configs["scheduler"] = {**configs["scheduler"], "prediction_type": prediction_type}
-    families = load_families()
-    family = families.detect(index, configs, str(root))
+        if p.is_file():
+            found[comp] = check_config(read_json_object(p, f"{comp}'s config"), comp, p)
+    family = load_families().detect(index, found, str(root))
     if family.name != det.family:
         raise UserError(
             f"{where} is an {det.label} checkpoint, but {config_name} is an {family.label} "
             "model; pass --config DIR of a model of the checkpoint's family"
         )
+    configs = {}
+    for comp, fname in wanted.items():
+        p = root / comp / fname
+        configs[comp] = found.get(comp) or check_config(
+            read_json_object(p, f"{comp}'s config"), comp, p
+        )
+    if prediction_type is not None:
+        configs["scheduler"] = {**configs["scheduler"], "prediction_type": prediction_type}
     return index, configs
 
 
