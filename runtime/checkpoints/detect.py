@@ -142,6 +142,8 @@ def detect(
     if conv_in is None or conv_in.ndim != 4:
         raise UserError(f"{where} has no UNet input convolution ({CONV_IN}); is it damaged?")
     in_channels = int(conv_in.shape[1])
+    if any(k.startswith((LABEL_EMB, SDXL_OPEN_CLIP_PREFIX)) for k in keys):
+        return _detect_sdxl(tensors, where, in_channels, prediction_type)
     if in_channels == 5:
         raise _refuse(where, f"it holds {pipelines['StableDiffusionDepth2ImgPipeline']}")
     if in_channels == 7:
@@ -152,8 +154,6 @@ def detect(
         raise _refuse(where, f"its UNet takes {in_channels} input channels (SD takes 4, or 9)")
     if not any(k.startswith(VAE_PREFIXES) for k in keys):
         raise UserError(f"{where} has no VAE (no first_stage_model.* tensors); {WHOLE}")
-    if any(k.startswith((LABEL_EMB, SDXL_OPEN_CLIP_PREFIX)) for k in keys):
-        return _detect_sdxl(tensors, where, in_channels, prediction_type)
     kind, hidden = _text_encoder(tensors)
     if not kind:
         raise UserError(f"{where} has no text encoder (no cond_stage_model.* tensors); {WHOLE}")

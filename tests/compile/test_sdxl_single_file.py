@@ -28,6 +28,7 @@ from sdiree.compile.single_file import (
     materialize,
     presets_dir,
     source_info,
+    write_clip_tokenizer,
 )
 from sdiree.runtime.checkpoints.detect import check_shapes, detect
 from sdiree.runtime.checkpoints.ldm_layout import convert
@@ -223,6 +224,18 @@ def test_full_size_sdxl_preset_converts_key_by_key():
         for k, v in sd.items():
             assert tuple(v.shape) == ours[k].shape, (comp, k)
     assert conv.components["text_encoder_2"]["text_projection.weight"].base is not None  # a view
+
+
+def test_preset_tokenizers_without_config(tmp_path):
+    """Without --config, both SDXL tokenizers are CLIP's real BPE with the preset's configs:
+    the first pads with the end token, the second with "!" (id 0), as the released ones."""
+    transformers = pytest.importorskip("transformers")
+    for name, pad in (("tokenizer", 49407), ("tokenizer_2", 0)):
+        write_clip_tokenizer(tmp_path / name, presets_dir() / "sdxl" / name)
+        hf = transformers.CLIPTokenizer.from_pretrained(str(tmp_path / name))
+        ids = hf("a photo of a cat", padding="max_length", max_length=77).input_ids
+        assert len(hf) == 49408 and ids[:7] == [49406, 320, 1125, 539, 320, 2368, 49407]
+        assert ids[7] == pad, name
 
 
 def bad_files(root: Path, good: Path, tiny_sdxl: Path) -> dict[str, tuple[Path, str]]:
