@@ -26,6 +26,7 @@ from .manifest import FunctionDecl, Manifest
 from .tokenizer import AddedText, ClipTokenizer
 
 TOKEN_TABLE = "embeddings.token_embedding.weight"  # its state-dict name (CLIPTextModel)
+POOLED_AT = ("first_eos", "largest_id")  # the manifest's text_encoders[i].pooled_at
 RECOMPILE = "recompile the model with this sdiree (`sdiree compile`) to use --embedding"
 
 
@@ -58,6 +59,11 @@ class TextInputs:
         `pooled_at`: transformers' rule for CLIP configs with eos_token_id 2, which with an
         embedding in the prompt pools at its last token, as diffusers does)."""
         self.base = tokenizer.vocab_size
+        if pooled_at not in POOLED_AT:
+            raise UserError(
+                f"the artifact's text encoder pools at {pooled_at!r}, which this sdiree does not "
+                "know; run it with the sdiree that compiled it"
+            )
         self.pooled_at = pooled_at
         self.table = table
         self.embeddings = tuple(embeddings)

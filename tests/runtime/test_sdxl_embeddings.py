@@ -42,13 +42,17 @@ STEPS = 8
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """A one-vector and a three-vector SDXL embedding (clip_l for the first encoder, clip_g for
-    the second; the tiny encoders are both 32 wide), large enough to change the image."""
+    the second; the tiny encoders are both 32 wide), four times the table's scale, so they
+    change the image."""
     d = tmp_path_factory.mktemp("xl-emb")
     g = torch.Generator().manual_seed(11)
     one, three = d / "xl-cat.safetensors", d / "xl-style.safetensors"
     for path, n in ((one, 1), (three, 3)):
         safetensors_torch.save_file(
-            {"clip_l": torch.randn(n, 32, generator=g), "clip_g": torch.randn(n, 32, generator=g)},
+            {
+                "clip_l": 4 * torch.randn(n, 32, generator=g),
+                "clip_g": 4 * torch.randn(n, 32, generator=g),
+            },
             path,
         )
     return one, three
@@ -146,9 +150,12 @@ def test_image_matches_diffusers_load_textual_inversion(compiled_sdxl, session, 
         output_type="np",
     ).images
     ref = (ref * 255).round().astype(np.uint8)
-    assert psnr(ours, ref) >= 40.0
-    plain, _ = sdiree_image(manifest, session, [], 42)  # the embeddings change the image
-    assert psnr(plain, ref) < 35.0
+    match = psnr(ours, ref)
+    assert match >= 40.0
+    # the embeddings change the image well beyond the parity's noise (the tiny random SDXL's
+    # images depend little on the text: ~36 dB between prompts)
+    plain, _ = sdiree_image(manifest, session, [], 42)
+    assert psnr(plain, ref) <= match - 5.0, (psnr(plain, ref), match)
 
 
 def test_embedding_of_the_other_family_is_one_line(compiled_sdxl, files, tmp_path):
