@@ -112,6 +112,11 @@ def test_both_text_encoders_match_diffusers(compiled_sdxl, session, files):
                 return_tensors="pt",
             ).input_ids
             assert (enc.ids >= inputs.base).any() == ("<" in prompt), (sub, prompt)
+            first_eos = int(np.flatnonzero(enc.ids == inputs.tokenizer.eos_id)[0])
+            # the second (eos_token_id 2) pools where transformers does: at the largest id,
+            # the embedding's last token where the prompt calls one
+            moved = i == 1 and "<" in prompt
+            assert (enc.eos_index != first_eos) == moved, (sub, prompt)
             with torch.no_grad():
                 out = model(ids, output_hidden_states=True)
             want = out.hidden_states[-2][0].numpy()  # SDXL: the penultimate layer's
