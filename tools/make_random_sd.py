@@ -42,8 +42,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent
-
 # family: (its preset folder, sdiree's family name in specs/families.json, label)
 FAMILIES = {
     "sd15": ("specs:sd15", "sd1", "SD 1.5"),
