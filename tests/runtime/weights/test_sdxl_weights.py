@@ -70,6 +70,10 @@ def test_sdxl_weights_file_is_the_fine_tune(compiled_sdxl, fine_tune, tiny_model
     ref = diffusers_images(
         fine_tune, "euler", STEPS, GUIDANCE, SEED, PROMPT, NEGATIVE, 1, (64, 64)
     )[0]
+    print(
+        f"SDXL --weights: file vs folder {psnr(from_file, from_folder):.1f} dB, vs diffusers "
+        f"{psnr(from_file, ref):.1f} dB, base vs diffusers {psnr(base, ref):.1f} dB"
+    )
     assert psnr(from_file, ref) >= 40.0
     assert psnr(base, ref) < 35.0  # the fine-tune is not the model itself
     assert "Model: tiny-sdxl-ft," in params
