@@ -33,6 +33,9 @@ def _text_encoder_entry(plan, recipe: dict) -> dict:
         "pooled": recipe["pooled"],
         # the last layer's unless it says otherwise (manifests of SD 1.x/2.x leave it out)
         **({"hidden_states": hidden} if hidden != "last" else {}),
+        # configs with CLIP's old eos_token_id 2 pool at the largest id (transformers' rule):
+        # the end token, or a textual-inversion token past the vocabulary where a prompt has one
+        **({"pooled_at": "largest_id"} if cfg.get("eos_token_id") == 2 else {}),
     }
 
 

@@ -7,7 +7,8 @@ by tensor against the model a config builds (on torch's meta device: no memory),
 with that config, a tokenizer and a scheduler as a diffusers folder named after the file's
 stem (so artifacts are `artifacts/<stem>/...`). The configs come from the presets shipped in
 specs/models/ (SD 1.5 and its inpainting model, SD 2.1 at 768 with v-prediction, SD 2.1-base at
-512 with epsilon, SD 2 inpainting; the real CLIP BPE vocabulary built from its merges) or, like
+512 with epsilon, SD 2 inpainting, SDXL base 1.0 with both its text encoders and tokenizers; the
+real CLIP BPE vocabulary built from its merges) or, like
 diffusers' `from_single_file(..., config=DIR)`, from a diffusers folder of the same
 architecture. A file holding EMA weights beside the trained ones gives the trained ones, as
 diffusers, A1111 and ComfyUI load it.
@@ -53,17 +54,12 @@ SOURCE_FILE = "single_file.json"
 SCHEMA_VERSION = 1
 # Bumped when what materialize writes for the same inputs changes: old folders are not reused.
 CONVERTER_REVISION = 1
-WEIGHT_FILES = {
-    "unet": "diffusion_pytorch_model.safetensors",
-    "vae": "diffusion_pytorch_model.safetensors",
-    "text_encoder": "model.safetensors",
+# The weights file of a component by its library (model_index.json's first entry).
+LIBRARY_WEIGHT_FILES = {
+    "diffusers": "diffusion_pytorch_model.safetensors",
+    "transformers": "model.safetensors",
 }
-CONFIG_FILES = {
-    "unet": "config.json",
-    "vae": "config.json",
-    "text_encoder": "config.json",
-    "scheduler": "scheduler_config.json",
-}
+SCHEDULER_CONFIG = {"scheduler": "scheduler_config.json"}
 TOKENIZER_CONFIGS = ("tokenizer_config.json", "special_tokens_map.json")
 CLIP_VOCAB_SIZE = 49408
 BOS, EOS, EOW = "<|startoftext|>", "<|endoftext|>", "</w>"
@@ -72,6 +68,26 @@ _TMP_RE = re.compile(r"^\.([0-9a-f]{16})\.(\d+)\.tmp$")
 
 def presets_dir() -> Path:
     return Path(str(resources.files("sdiree.specs"))) / "models"
+
+
+def weighted_components(family: str) -> tuple[str, ...]:
+    """The components with weights of a family's pipeline: the UNet, the VAE and each text
+    encoder (SDXL: text_encoder and text_encoder_2), in that order."""
+    fam = load_families().families[family]
+    subs = fam.submodules or {}
+    encoders = [
+        subs.get(te["submodule"], {}).get("component", te["submodule"]) for te in fam.text_encoders
+    ]
+    return ("unet", "vae", *encoders)
+
+
+def tokenizer_folders(family: str) -> tuple[str, ...]:
+    return tuple(te["tokenizer"] for te in load_families().families[family].text_encoders)
+
+
+def config_files(family: str) -> dict[str, str]:
+    """{component: its config file name} of a family's single-file folder."""
+    return {**{c: "config.json" for c in weighted_components(family)}, **SCHEDULER_CONFIG}
 
 
 def source_info(model_dir: Path) -> dict | None:
@@ -107,7 +123,11 @@ def materialize(
     index, configs = _read_configs(config_root, det, prediction_type, where, config_name)
     # The UNet's layers per block are read from its keys, so a config of another shape is
     # reported by the first tensor that differs rather than as keys with no place.
-    conv = convert(tf.tensors, text_layers=configs["text_encoder"].get("num_hidden_layers"))
+    conv = convert(
+        tf.tensors,
+        text_layers=configs["text_encoder"].get("num_hidden_layers"),
+        text_layers_2=configs.get("text_encoder_2", {}).get("num_hidden_layers"),
+    )
     if conv.unknown:
         more = f" and {len(conv.unknown) - 1} more" if len(conv.unknown) > 1 else ""
         raise UserError(
@@ -123,7 +143,7 @@ def materialize(
         {
             "sha256": sha,
             "name": path.stem,
-            "config": _folder_digest(config_dir) if config_dir else None,
+            "config": _folder_digest(config_dir, det.family) if config_dir else None,
             "prediction_type": prediction_type,
             "revision": CONVERTER_REVISION,
         }
@@ -164,11 +184,13 @@ def materialize(
         "dtypes": dtypes,
         "left_out": len(conv.other),
     }
-    tokenizer = config_root / "tokenizer"
-    copy_tokenizer = any((tokenizer / f).is_file() for f in ("vocab.json", "tokenizer.json"))
-    if not copy_tokenizer:  # a preset, or a --config folder without one: CLIP's own
-        tokenizer = presets_dir() / det.preset / "tokenizer"
-    _write(cache_dir, key, stem, tokenizer, copy_tokenizer, index, configs, components, info)
+    tokenizers = {}  # {folder: (source, copied as it is)}
+    for name in tokenizer_folders(det.family):
+        tokenizer = config_root / name
+        copy = any((tokenizer / f).is_file() for f in ("vocab.json", "tokenizer.json"))
+        # a preset, or a --config folder without one: CLIP's own BPE with the preset's configs
+        tokenizers[name] = (tokenizer if copy else presets_dir() / det.preset / name, copy)
+    _write(cache_dir, key, stem, tokenizers, index, configs, components, info)
     return dest
 
 
@@ -205,12 +227,13 @@ def _file_sha256(path: Path, cache_dir: Path) -> str:
     return digest
 
 
-def _folder_digest(folder: Path) -> str:
+def _folder_digest(folder: Path, family: str) -> str:
     """sha256 over the config and tokenizer files materialize takes from a --config folder."""
     files = [folder / "model_index.json"]
-    files += [folder / c / f for c, f in CONFIG_FILES.items()]
-    tok = folder / "tokenizer"
-    files += sorted(p for p in tok.iterdir() if p.is_file()) if tok.is_dir() else []
+    files += [folder / c / f for c, f in config_files(family).items()]
+    for name in tokenizer_folders(family):
+        tok = folder / name
+        files += sorted(p for p in tok.iterdir() if p.is_file()) if tok.is_dir() else []
     return sha256_json([[str(p.relative_to(folder)), sha256_file(p)] for p in files if p.is_file()])
 
 
@@ -220,19 +243,28 @@ def _read_configs(
     """model_index.json and the components' configs of root, checked against the family the
     checkpoint's keys gave (prediction_type written into the scheduler's)."""
     index = read_json_object(root / "model_index.json", "a pipeline's model_index.json")
-    configs = {}
-    for comp, fname in CONFIG_FILES.items():
+    wanted = config_files(det.family)
+    # the folder's own family first (from the configs it has), then the ones the file needs
+    named = {c: "config.json" for c, v in index.items() if isinstance(v, list)}
+    found = {}
+    for comp, fname in {**named, **wanted}.items():
         p = root / comp / fname
-        configs[comp] = check_config(read_json_object(p, f"{comp}'s config"), comp, p)
-    if prediction_type is not None:
-        configs["scheduler"] = {**configs["scheduler"], "prediction_type": prediction_type}
-    families = load_families()
-    family = families.detect(index, configs, str(root))
+        if p.is_file():
+            found[comp] = check_config(read_json_object(p, f"{comp}'s config"), comp, p)
+    family = load_families().detect(index, found, str(root))
     if family.name != det.family:
         raise UserError(
             f"{where} is an {det.label} checkpoint, but {config_name} is an {family.label} "
             "model; pass --config DIR of a model of the checkpoint's family"
         )
+    configs = {}
+    for comp, fname in wanted.items():
+        p = root / comp / fname
+        configs[comp] = found.get(comp) or check_config(
+            read_json_object(p, f"{comp}'s config"), comp, p
+        )
+    if prediction_type is not None:
+        configs["scheduler"] = {**configs["scheduler"], "prediction_type": prediction_type}
     return index, configs
 
 
@@ -245,25 +277,32 @@ def _expected_shapes(index: dict, configs: dict) -> dict[str, dict[str, tuple]]:
 
     shapes = {}
     with torch.device("meta"):
-        for comp in ("unet", "vae"):
-            cls = getattr(diffusers, index[comp][1])
-            model = cls.from_config(configs[comp])
+        for comp in configs:
+            if comp == "scheduler":
+                continue
+            library, cls_name = index[comp][0], index[comp][1]
+            if library == "diffusers":
+                model = getattr(diffusers, cls_name).from_config(configs[comp])
+            else:
+                cls = getattr(transformers, cls_name)
+                model = cls(cls.config_class.from_dict(configs[comp]))
             shapes[comp] = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        te_cls = getattr(transformers, index["text_encoder"][1])
-        te_config = te_cls.config_class.from_dict(configs["text_encoder"])
-        model = te_cls(te_config)
-        shapes["text_encoder"] = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     return shapes
 
 
 def _checked(components: dict, expected: dict, where: str, config_name: str) -> dict:
-    """The components in the models' key order, each checked key by key and shape by shape; the
-    text encoder's keys prefixed with `text_model.` where the installed transformers wants it."""
+    """The components in the models' key order, each checked key by key and shape by shape; a
+    text encoder's keys prefixed with `text_model.` where the installed transformers wants it
+    (transformers 5.6 dropped it from CLIPTextModel, not from CLIPTextModelWithProjection, whose
+    `text_projection` never had it)."""
     out = {}
     for comp, want in expected.items():
-        have = components[comp]
-        if comp == "text_encoder" and want and all(k.startswith("text_model.") for k in want):
-            have = {f"text_model.{k}": v for k, v in have.items()}
+        have = components.get(comp, {})
+        if comp.startswith("text_encoder"):
+            have = {
+                (f"text_model.{k}" if k not in want and f"text_model.{k}" in want else k): v
+                for k, v in have.items()
+            }
         check_shapes(want, have, where, comp.replace("_", " "), config_name)
         out[comp] = {k: have[k] for k in want}
     return out
@@ -298,8 +337,7 @@ def _write(
     cache_dir: Path,
     key: str,
     stem: str,
-    tokenizer: Path,
-    copy_tokenizer: bool,
+    tokenizers: dict[str, tuple[Path, bool]],
     index: dict,
     configs: dict,
     components: dict[str, dict[str, np.ndarray]],
@@ -312,18 +350,21 @@ def _write(
     try:
         tmp.mkdir(parents=True)
         atomic_write_json(tmp / "model_index.json", index)
-        for comp, fname in CONFIG_FILES.items():
+        for comp, config in configs.items():
             (tmp / comp).mkdir()
-            atomic_write_json(tmp / comp / fname, configs[comp])
+            fname = SCHEDULER_CONFIG.get(comp, "config.json")
+            atomic_write_json(tmp / comp / fname, config)
         for comp, tensors in components.items():
-            write_safetensors(tmp / comp / WEIGHT_FILES[comp], tensors, {"format": "pt"})
-        if copy_tokenizer:
-            (tmp / "tokenizer").mkdir()
-            for p in tokenizer.iterdir():
-                if p.is_file():
-                    shutil.copyfile(p, tmp / "tokenizer" / p.name)
-        else:
-            write_clip_tokenizer(tmp / "tokenizer", tokenizer)
+            fname = LIBRARY_WEIGHT_FILES[index[comp][0]]
+            write_safetensors(tmp / comp / fname, tensors, {"format": "pt"})
+        for name, (source, copy) in tokenizers.items():
+            if copy:
+                (tmp / name).mkdir()
+                for p in source.iterdir():
+                    if p.is_file():
+                        shutil.copyfile(p, tmp / name / p.name)
+            else:
+                write_clip_tokenizer(tmp / name, source)
         atomic_write_json(tmp / SOURCE_FILE, info)
         if read_json_dict(final_root / stem / SOURCE_FILE).get("key") != key:
             shutil.rmtree(final_root, ignore_errors=True)  # damaged by hand: replaced

@@ -366,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE[:TOKEN]",
         help="a textual-inversion embedding (A1111 .pt/.safetensors: called in the prompt by "
         "the file's name as a word or as <name>; diffusers learned_embeds: by the token it "
-        "holds), or called by TOKEN; repeatable",
+        "holds; SDXL clip_l/clip_g files: each set into its own text encoder), or called by "
+        "TOKEN; repeatable",
     )
     p.add_argument(
         "--init-image",

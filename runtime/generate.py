@@ -194,17 +194,10 @@ def generate_to_files(
     for req_lora in lora_requests:
         say(f"LoRA: {req_lora.path} at {req_lora.strength:g}")
     encoders = [te.get("submodule", "text_encoder") for te in manifest.data["text_encoders"]]
-    if embedding_files and len(encoders) > 1:
-        raise UserError(
-            f"--embedding: textual-inversion embeddings are for models with one text encoder; "
-            f"this {manifest.family} model has {len(encoders)}; leave --embedding out"
-        )
+    # every text encoder gets the embeddings (SDXL's: each its own vector set, same words)
     text_inputs = [
         TextInputs.for_artifact(
-            manifest,
-            embedding_files if i == 0 else (),
-            replaced=overrides.tensors.get(sub),
-            encoder=i,
+            manifest, embedding_files, replaced=overrides.tensors.get(sub), encoder=i
         )
         for i, sub in enumerate(encoders)
     ]

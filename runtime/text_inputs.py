@@ -8,7 +8,9 @@ vocabulary, in the order given, as diffusers' `load_textual_inversion` adds them
 embeddings are rows of the token-embedding table (read from the text encoder's parameter
 archive through a read-only memory map, never copied) or the embedding's own vectors, cast to
 the table's dtype as diffusers casts them. The lookup is exact, so a prompt without embeddings
-gives the encoder the values its own table lookup gave.
+gives the encoder the values its own table lookup gave. An SDXL embedding gives each of the two
+encoders its own vector set (the family's `text_encoders[i].embedding`: clip_l, clip_g) under
+the same words, so both tokenizers give the same new ids.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .manifest import FunctionDecl, Manifest
 from .tokenizer import AddedText, ClipTokenizer
 
 TOKEN_TABLE = "embeddings.token_embedding.weight"  # its state-dict name (CLIPTextModel)
+POOLED_AT = ("first_eos", "largest_id")  # the manifest's text_encoders[i].pooled_at
 RECOMPILE = "recompile the model with this sdiree (`sdiree compile`) to use --embedding"
 
 
@@ -46,11 +49,26 @@ class TextInputs:
         table: np.ndarray | None,
         embeddings: Sequence[Embedding] = (),
         decl: FunctionDecl | None = None,
+        part: str | None = None,
+        model: str = "SD 1.x/2.x",
+        pooled_at: str = "first_eos",
     ):
+        """part: which vector set of an SDXL embedding this encoder takes (None: the one set of
+        an SD 1.x/2.x embedding); model: the model's family label, for refusals; pooled_at:
+        where the pooled output is taken, "first_eos" or "largest_id" (the manifest's
+        `pooled_at`: transformers' rule for CLIP configs with eos_token_id 2, which with an
+        embedding in the prompt pools at its last token, as diffusers does)."""
         self.base = tokenizer.vocab_size
+        if pooled_at not in POOLED_AT:
+            raise UserError(
+                f"the artifact's text encoder pools at {pooled_at!r}, which this sdiree does not "
+                "know; run it with the sdiree that compiled it"
+            )
+        self.pooled_at = pooled_at
         self.table = table
         self.embeddings = tuple(embeddings)
         self.decl = decl
+        vectors = [e.vectors_for(part, model) for e in self.embeddings]
         if embeddings and table is None:
             raise UserError(f"this artifact's text encoder takes token ids only; {RECOMPILE}")
         if table is not None and (table.ndim != 2 or table.shape[0] < self.base):
@@ -60,14 +78,15 @@ class TextInputs:
             )
         added, ranges, next_id = [], [], self.base
         callers: dict[str, Embedding] = {}
-        for e in self.embeddings:
-            if e.vectors.shape[1] != table.shape[1]:
+        for e, vecs in zip(self.embeddings, vectors, strict=True):
+            if vecs.shape[1] != table.shape[1]:
+                which = f"{part} " if part else ""
                 raise UserError(
-                    f"--embedding {e.path} has vectors of width {e.vectors.shape[1]}; this "
+                    f"--embedding {e.path} has {which}vectors of width {vecs.shape[1]}; this "
                     f"model's text encoder takes {table.shape[1]} (an embedding made for "
                     "another model family?)"
                 )
-            ids = tuple(range(next_id, next_id + e.vectors.shape[0]))
+            ids = tuple(range(next_id, next_id + vecs.shape[0]))
             next_id += len(ids)
             ranges.append((ids[0], next_id))
             for word, single_word in e.words:
@@ -79,7 +98,7 @@ class TextInputs:
         except ValueError as err:
             raise UserError(f"--embedding: {err}; give it another token with FILE:TOKEN") from None
         if table is not None and self.embeddings:
-            self.extra = np.concatenate([e.vectors for e in self.embeddings]).astype(table.dtype)
+            self.extra = np.concatenate(vectors).astype(table.dtype)
         else:
             self.extra = None
 
@@ -115,6 +134,7 @@ class TextInputs:
         loaded in place of its archive's ({key: array}, `--weights`), the token table among
         them."""
         te = manifest.data["text_encoders"][encoder]
+        part, model = embedding_part(manifest, encoder)
         tokenizer = ClipTokenizer.from_dir(manifest.path(te["tokenizer"]))
         submodule = te.get("submodule", "text_encoder")
         decl = manifest.submodules[submodule].functions["encode"]
@@ -124,13 +144,16 @@ class TextInputs:
             table = token_table(manifest, submodule, width, replaced or {})
         else:
             table = None
-        return cls(tokenizer, table, embeddings, decl)
+        pooled_at = te.get("pooled_at", "first_eos")
+        return cls(tokenizer, table, embeddings, decl, part=part, model=model, pooled_at=pooled_at)
 
     def encode(self, text: str) -> EncodedText:
         tok = self.tokenizer.encode(text)
         ids = tok.ids
         eos = np.flatnonzero(ids == self.tokenizer.eos_id)
         eos_index = int(eos[0]) if eos.size else len(ids) - 1
+        if self.pooled_at == "largest_id":
+            eos_index = int(np.argmax(ids))  # the first of the largest (the end token without TI)
         new = ids >= self.base
         used = tuple(
             e
@@ -170,6 +193,19 @@ class TextInputs:
             row = value.astype(t.dtype, copy=False)
             args.append(np.ascontiguousarray(np.broadcast_to(row, t.shape)))
         return args
+
+
+def embedding_part(manifest: Manifest, encoder: int) -> tuple[str | None, str]:
+    """(the vector set of an SDXL embedding that text encoder `encoder` takes, or None for the
+    one set of an SD 1.x/2.x embedding; the family's label), from the family registry."""
+    from .families import load_families
+
+    family = load_families().families.get(manifest.family)
+    if family is None:
+        return None, manifest.family
+    recipes = family.text_encoders
+    part = recipes[encoder].get("embedding") if encoder < len(recipes) else None
+    return part, family.label
 
 
 def token_table(

@@ -3,7 +3,7 @@ at the real sizes.
 
 The configs are the released models' (no download): SD 1.5 and SD 2.1 (768x768, v-prediction)
 from sdiree's shipped presets (specs/models/sd15, specs/models/sd21), SDXL base 1.0 from
-tools/presets/sdxl (two text encoders: CLIP ViT-L and OpenCLIP bigG with its projection; the
+specs/models/sdxl (two text encoders: CLIP ViT-L and OpenCLIP bigG with its projection; the
 "text_time" UNet with transformer_layers_per_block [1, 2, 10]; the VAE with scaling 0.13025 and
 force_upcast; EulerDiscreteScheduler; force_zeros_for_empty_prompt). So compile and run times,
 memory and parameter archive sizes are those of the real model (fp32: SD 1.5 about 4.3 GB,
@@ -42,13 +42,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent
-
 # family: (its preset folder, sdiree's family name in specs/families.json, label)
 FAMILIES = {
     "sd15": ("specs:sd15", "sd1", "SD 1.5"),
     "sd21": ("specs:sd21", "sd2", "SD 2.1 (768x768, v-prediction)"),
-    "sdxl": (str(TOOLS / "presets" / "sdxl"), "sdxl", "SDXL base 1.0"),
+    "sdxl": ("specs:sdxl", "sdxl", "SDXL base 1.0"),
 }
 DTYPES = ("fp32", "fp16")
 # The components with weights, and the width keys of their configs, divided by `narrow` (tests

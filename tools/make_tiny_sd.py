@@ -261,9 +261,13 @@ def make_tiny_sd2(out_dir: Path, seed: int = 0, size: int = 64, inpaint: bool = 
     )
 
 
-def make_tiny_sdxl(out_dir: Path, seed: int = 0, size: int = 64, turbo: bool = False) -> Path:
+def make_tiny_sdxl(
+    out_dir: Path, seed: int = 0, size: int = 64, turbo: bool = False, width_2: int = 32
+) -> Path:
     """A tiny SDXL base (or, with turbo, SDXL-Turbo's scheduler): SDXL's architecture at toy
-    sizes."""
+    sizes. width_2: the second text encoder's hidden size (the first's is 32); another width than
+    the first's lets diffusers' from_single_file tell the two apart by shape, as it does at full
+    size (768 and 1280)."""
     import diffusers
     import torch
     from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
@@ -281,11 +285,11 @@ def make_tiny_sdxl(out_dir: Path, seed: int = 0, size: int = 64, turbo: bool = F
     tokenizer = CLIPTokenizer.from_pretrained(out_dir / "tokenizer")
     tokenizer_2 = CLIPTokenizer.from_pretrained(out_dir / "tokenizer_2")
 
-    def clip_config(hidden_act: str, eos_token_id: int) -> CLIPTextConfig:
+    def clip_config(hidden_act: str, eos_token_id: int, width: int = 32) -> CLIPTextConfig:
         return CLIPTextConfig(
             vocab_size=len(tokenizer),
-            hidden_size=32,
-            intermediate_size=64,
+            hidden_size=width,
+            intermediate_size=2 * width,
             num_hidden_layers=2,  # penultimate hidden states: the first layer's
             num_attention_heads=4,
             max_position_embeddings=77,
@@ -300,7 +304,7 @@ def make_tiny_sdxl(out_dir: Path, seed: int = 0, size: int = 64, turbo: bool = F
     text_encoder = CLIPTextModel(clip_config("quick_gelu", tokenizer.eos_token_id))
     # SDXL's text_encoder_2/config.json has the placeholder eos_token_id 2: it pools at the
     # largest id, the end token
-    text_encoder_2 = CLIPTextModelWithProjection(clip_config("gelu", 2))
+    text_encoder_2 = CLIPTextModelWithProjection(clip_config("gelu", 2, width_2))
     time_dim = 8
     unet = UNet2DConditionModel(
         sample_size=size // 8,
@@ -310,7 +314,7 @@ def make_tiny_sdxl(out_dir: Path, seed: int = 0, size: int = 64, turbo: bool = F
         block_out_channels=(32, 64),
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=64,  # the two encoders' widths together (SDXL: 768 + 1280)
+        cross_attention_dim=32 + width_2,  # the two encoders' widths together (768 + 1280)
         attention_head_dim=(2, 4),
         transformer_layers_per_block=(1, 2),
         use_linear_projection=True,

@@ -1,4 +1,5 @@
-"""Write a diffusers SD 1.x/2.x folder as one checkpoint file in the original (LDM) key layout.
+"""Write a diffusers SD 1.x/2.x or SDXL folder as one checkpoint file in the original (LDM/SGM)
+key layout.
 
 A test helper: it makes the kind of file people download (`dreamshaper_8.safetensors`,
 `v2-1_768-ema-pruned.ckpt`) from a tiny model made in the tests, so sdiree's single-file path
@@ -10,8 +11,18 @@ SD 2.x text encoders are written as OpenCLIP stores them: fused q/k/v projection
 transformer layer than SD 2.x uses (OpenCLIP-H has 24, SD 2.x takes the 23rd layer's output),
 `text_projection` and `logit_scale`.
 
+SDXL folders are written as Stability's generative-models (SGM) repository saves them
+(sd_xl_base_1.0.safetensors): the UNet under `model.diffusion_model.` with its added embedding
+as `label_emb.0.0`/`label_emb.0.2`, the CLIP ViT-L text encoder in Hugging Face's names under
+`conditioner.embedders.0.transformer.`, the OpenCLIP bigG one under
+`conditioner.embedders.1.model.` (fused q/k/v, every layer, `text_projection` as OpenCLIP
+multiplies by it: [width, projection], the transpose of the Linear weight), and the VAE under
+`first_stage_model.`. `--variant refiner-only` writes only the second text encoder, under
+`conditioner.embedders.0.model.` as the SDXL refiner holds it (for refusal tests).
+
     python tools/to_single_file.py MODEL_DIR OUT.safetensors [--fp16] [--variant pruned|full-ema|bare]
     python tools/to_single_file.py MODEL_DIR OUT.ckpt [--global-step 875000]
+    python tools/to_single_file.py SDXL_DIR OUT.safetensors [--fp16]
 
 Variants: `pruned` (default) holds the weights and the buffers a pruned release keeps (the DDPM
 schedule, CLIP's position_ids); `full-ema` adds EMA weights (`model_ema.*`, each one the
@@ -89,6 +100,8 @@ def unet_to_ldm(sd: dict, config: dict) -> dict:
             level = int(m[1])
             slot = 2 if level in attn_levels else 1
             new = f"output_blocks.{level * per + per - 1}.{slot}.conv.{m[2]}"
+        elif m := re.fullmatch(r"add_embedding\.linear_([12])\.(.+)", key):
+            new = f"label_emb.0.{0 if m[1] == '1' else 2}.{m[2]}"  # SGM: Sequential(Linear, SiLU, Linear)
         else:
             new = _rename(key, top)
         out["model.diffusion_model." + new] = t
@@ -133,9 +146,17 @@ def clip_to_ldm(sd: dict) -> dict:
     return out
 
 
-def open_clip_to_ldm(sd: dict, config: dict, rng: np.random.Generator) -> dict:
+def open_clip_to_ldm(
+    sd: dict,
+    config: dict,
+    rng: np.random.Generator,
+    p: str = "cond_stage_model.model.",
+    sdxl: bool = False,
+) -> dict:
+    """OpenCLIP's layout of a CLIPTextModel(WithProjection). SD 2.x (default): one more layer than
+    the model uses, random, and a random projection; sdxl: every layer, and the model's own
+    projection (OpenCLIP's x @ P: the Linear weight transposed)."""
     sd = {(k[len("text_model.") :] if k.startswith("text_model.") else k): v for k, v in sd.items()}
-    p = "cond_stage_model.model."
     width = config["hidden_size"]
     dtype = sd["embeddings.token_embedding.weight"].dtype
     out = {
@@ -162,6 +183,10 @@ def open_clip_to_ldm(sd: dict, config: dict, rng: np.random.Generator) -> dict:
         for new, old in block.items():
             for kind in ("weight", "bias"):
                 out[r + f"{old}.{kind}"] = sd[f"{base}{new}.{kind}"]
+    if sdxl:
+        out[p + "text_projection"] = np.ascontiguousarray(sd["text_projection.weight"].T)
+        out[p + "logit_scale"] = np.array(4.6052, dtype=dtype)
+        return out
     # OpenCLIP-H's last layer, which SD 2.x does not use: random, like the first one's shapes
     last = f"{p}transformer.resblocks.{layers}."
     for key in [k for k in out if k.startswith(f"{p}transformer.resblocks.0.")]:
@@ -195,7 +220,24 @@ def to_ldm(model_dir: Path, variant: str = "pruned", fp16: bool = False, seed: i
     sd.update(unet_to_ldm(_load(model_dir / "unet"), unet_config))
     sd.update(vae_to_ldm(_load(model_dir / "vae"), vae_config))
     te = _load(model_dir / "text_encoder")
-    if te_config.get("hidden_act", "quick_gelu") == "quick_gelu":
+    if (model_dir / "text_encoder_2").is_dir():
+        te2_config = json.loads((model_dir / "text_encoder_2" / "config.json").read_text())
+        te2 = _load(model_dir / "text_encoder_2")
+        if variant == "refiner-only":  # the refiner's one text encoder, where SGM puts it
+            sd.update(
+                open_clip_to_ldm(te2, te2_config, rng, "conditioner.embedders.0.model.", True)
+            )
+        else:
+            p = "conditioner.embedders.0.transformer."
+            for key, t in clip_to_ldm(te).items():
+                sd[p + key.split(".", 2)[2]] = t
+            if variant != "bare":
+                ids = np.arange(te_config.get("max_position_embeddings", 77), dtype=np.int64)
+                sd[p + "text_model.embeddings.position_ids"] = ids[None]
+            sd.update(
+                open_clip_to_ldm(te2, te2_config, rng, "conditioner.embedders.1.model.", True)
+            )
+    elif te_config.get("hidden_act", "quick_gelu") == "quick_gelu":
         sd.update(clip_to_ldm(te))
         if variant != "bare":
             ids = np.arange(te_config.get("max_position_embeddings", 77), dtype=np.int64)
@@ -204,7 +246,7 @@ def to_ldm(model_dir: Path, variant: str = "pruned", fp16: bool = False, seed: i
         sd.update(open_clip_to_ldm(te, te_config, rng))
     if fp16:
         sd = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in sd.items()}
-    if variant in ("pruned", "full-ema"):
+    if variant in ("pruned", "full-ema", "refiner-only"):
         sd.update(ddpm_buffers())
     if variant == "full-ema":
         for key in [k for k in sd if k.startswith("model.diffusion_model.")]:
@@ -243,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--variant", choices=("pruned", "full-ema", "bare"), default="pruned")
+    parser.add_argument(
+        "--variant", choices=("pruned", "full-ema", "bare", "refiner-only"), default="pruned"
+    )
     parser.add_argument("--fp16", action="store_true", help="fp32 weights written as fp16")
     parser.add_argument("--global-step", type=int, help="stored beside a .ckpt's state dict")
     args = parser.parse_args(argv)

@@ -15,7 +15,8 @@ stable-diffusion-2-1 configs for every SD 2.x file (v-prediction); its legacy lo
 epsilon when a Lightning checkpoint's global_step is 875000 (the 2.x-base release). sdiree does
 both: v-prediction, epsilon for global_step 875000, and `--prediction-type` overrides either.
 SD 1.x and the inpainting models of both (stable-diffusion-inpainting, stable-diffusion-2-
-inpainting, 512) are epsilon.
+inpainting, 512) are epsilon. SDXL is epsilon, or v-prediction where the file holds a `v_pred`
+key (the marker SDXL v-prediction fine-tunes carry for AUTOMATIC1111).
 """
 
 from __future__ import annotations
@@ -27,12 +28,26 @@ import numpy as np
 
 from ..errors import UserError
 from ..families import load_families
-from .ldm_layout import CLIP_PREFIXES, OPEN_CLIP_PREFIXES, UNET_PREFIX, VAE_PREFIXES
+from .ldm_layout import (
+    CLIP_PREFIXES,
+    OPEN_CLIP_PREFIXES,
+    SDXL_OPEN_CLIP_PREFIX,
+    UNET_PREFIX,
+    VAE_PREFIXES,
+)
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 SD2_BASE_GLOBAL_STEP = 875000  # the SD 2.x-base checkpoints' step, as diffusers' legacy loader
 CONV_IN = UNET_PREFIX + "input_blocks.0.0.weight"
 WHOLE = "sdiree compiles whole-model checkpoints (UNet, VAE and text encoder in one file)"
+# SGM's (SDXL's) keys: the UNet's added conditioning and the two text encoders' prefixes
+LABEL_EMB = UNET_PREFIX + "label_emb."
+SDXL_CLIP_PREFIX = "conditioner.embedders.0.transformer."
+SGM_OPEN_CLIP_0 = "conditioner.embedders.0.model."  # the refiner's only text encoder
+SDXL_BASE = (
+    "an SDXL base checkpoint holds CLIP ViT-L (conditioner.embedders.0.transformer.*) and "
+    "OpenCLIP ViT-bigG (conditioner.embedders.1.model.*)"
+)
 
 
 @dataclass(frozen=True)
@@ -45,7 +60,7 @@ class Detected:
     prediction_source: str  # why that prediction type
     in_channels: int
     context_dim: int
-    text_encoder: str  # "clip" or "open_clip"
+    text_encoder: str  # "clip", "open_clip" or "clip+open_clip" (SDXL)
     has_ema: bool  # model_ema.* weights beside the UNet's
 
 
@@ -64,9 +79,6 @@ def _refuse_foreign(where: str, keys: list[str]) -> None:
         raise UserError(f"{where} holds no tensors; {WHOLE}")
     fams = load_families()
     pipelines = fams.refused_pipelines
-    sdxl = fams.families["sdxl"].refusal if "sdxl" in fams.families else "SDXL is not supported"
-    if _has(keys, "conditioner.embedders.1.", "diffusion_model.label_emb.0."):
-        raise _refuse(where, f"{sdxl} (an SDXL single-file checkpoint: conditioner.embedders.*)")
     if _has(keys, "joint_blocks."):
         raise _refuse(where, f"it holds {pipelines['StableDiffusion3Pipeline']}")
     if _has(keys, "double_blocks.", "single_blocks."):
@@ -79,6 +91,8 @@ def _refuse_foreign(where: str, keys: list[str]) -> None:
         raise UserError(f"{where} is a LoRA, not a model checkpoint; {WHOLE}")
     if _has(keys, "string_to_param", "emb_params") or set(keys) <= {"clip_l", "clip_g"}:
         raise UserError(f"{where} is a textual-inversion embedding, not a model; {WHOLE}")
+    if "edm_mean" in keys or "edm_std" in keys:
+        raise _refuse(where, "it holds Playground v2.5 (an EDM model: edm_mean/edm_std)")
     if not any(k.startswith(UNET_PREFIX) for k in keys):
         if any(k.startswith(("encoder.conv_in", "decoder.conv_in")) for k in keys):
             raise UserError(f"{where} is a VAE on its own, not a whole model; {WHOLE}")
@@ -128,6 +142,8 @@ def detect(
     if conv_in is None or conv_in.ndim != 4:
         raise UserError(f"{where} has no UNet input convolution ({CONV_IN}); is it damaged?")
     in_channels = int(conv_in.shape[1])
+    if any(k.startswith((LABEL_EMB, SDXL_OPEN_CLIP_PREFIX)) for k in keys):
+        return _detect_sdxl(tensors, where, in_channels, prediction_type)
     if in_channels == 5:
         raise _refuse(where, f"it holds {pipelines['StableDiffusionDepth2ImgPipeline']}")
     if in_channels == 7:
@@ -192,6 +208,80 @@ def detect(
         in_channels=in_channels,
         context_dim=context_dim,
         text_encoder=kind,
+        has_ema=any(k.startswith("model_ema.diffusion_model") for k in keys),
+    )
+
+
+def _width(tensors: dict, key: str) -> int | None:
+    t = tensors.get(key)
+    return int(t.shape[-1]) if t is not None and t.ndim == 2 else None
+
+
+def _detect_sdxl(
+    tensors: dict, where: str, in_channels: int, prediction_type: str | None
+) -> Detected:
+    """An SGM-layout file (`label_emb` or `conditioner.embedders.1.*`): SDXL base, or refused
+    naming what it holds instead."""
+    keys = list(tensors)
+    clip = any(k.startswith(SDXL_CLIP_PREFIX) for k in keys)
+    big_g = any(k.startswith(SDXL_OPEN_CLIP_PREFIX) for k in keys)
+    refiner = any(k.startswith(SGM_OPEN_CLIP_0) for k in keys)
+    if refiner and not clip:
+        raise _refuse(
+            where,
+            "it is an SDXL refiner (one OpenCLIP ViT-bigG text encoder, "
+            "conditioner.embedders.0.model.*, and no CLIP ViT-L); sdiree compiles SDXL base "
+            "models and their fine-tunes, not the refiner",
+        )
+    if not (clip and big_g):
+        found = [
+            p + "*"
+            for p in (SDXL_CLIP_PREFIX, SDXL_OPEN_CLIP_PREFIX)
+            if any(k.startswith(p) for k in keys)
+        ]
+        has = " and ".join(found) if found else "no text encoder"
+        raise UserError(
+            f"{where} has SDXL's UNet conditioning ({LABEL_EMB}*) but {has}; {SDXL_BASE}: "
+            "is it damaged or cut short?"
+        )
+    if in_channels != 4:
+        what = "an SDXL inpainting model" if in_channels == 9 else "an SDXL variant"
+        raise _refuse(
+            where, f"it holds {what} ({in_channels}-channel UNet); sdiree takes SDXL base files"
+        )
+    if not any(k.startswith(VAE_PREFIXES) for k in keys):
+        raise UserError(f"{where} has no VAE (no first_stage_model.* tensors); {WHOLE}")
+    label = load_families().families["sdxl"].label
+    to_k = _first(tensors, re.escape(UNET_PREFIX) + r".*\.attn2\.to_k\.weight")
+    context_dim = int(to_k.shape[-1]) if to_k is not None and to_k.ndim == 2 else 0
+    h1 = _width(tensors, SDXL_CLIP_PREFIX + "text_model.embeddings.token_embedding.weight")
+    h2 = _width(tensors, SDXL_OPEN_CLIP_PREFIX + "token_embedding.weight")
+    if h1 and h2 and context_dim and h1 + h2 != context_dim:
+        raise UserError(
+            f"{where}: the UNet's cross-attention width {context_dim} is not the text encoders' "
+            f"hidden sizes together ({h1} + {h2}): they come from different models; "
+            "re-download the checkpoint"
+        )
+    if prediction_type is not None and prediction_type not in PREDICTION_TYPES:
+        raise UserError(
+            f"--prediction-type {prediction_type!r} is not one of {', '.join(PREDICTION_TYPES)}"
+        )
+    if prediction_type is not None:
+        source = "--prediction-type"
+    elif "v_pred" in tensors:
+        prediction_type, source = "v_prediction", "the file's v_pred key"
+    else:
+        prediction_type, source = "epsilon", f"{label} default"
+    return Detected(
+        family="sdxl",
+        label=label,
+        inpainting=False,
+        preset="sdxl",
+        prediction_type=prediction_type,
+        prediction_source=source,
+        in_channels=in_channels,
+        context_dim=context_dim,
+        text_encoder="clip+open_clip",
         has_ema=any(k.startswith("model_ema.diffusion_model") for k in keys),
     )
 

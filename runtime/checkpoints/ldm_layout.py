@@ -1,5 +1,5 @@
-"""Rename a single-file SD 1.x/2.x checkpoint's tensors (the original LDM/SGM key layout) to the
-diffusers layout of each component, without copying a tensor.
+"""Rename a single-file SD 1.x/2.x or SDXL checkpoint's tensors (the original LDM/SGM key layout)
+to the diffusers layout of each component, without copying a tensor.
 
 A single-file checkpoint holds the whole pipeline under the original repositories' names:
 `model.diffusion_model.*` (the UNet, openaimodel's input/middle/output blocks),
@@ -7,7 +7,15 @@ A single-file checkpoint holds the whole pipeline under the original repositorie
 1.x: Hugging Face's CLIPTextModel) or `cond_stage_model.model.*` (SD 2.x: OpenCLIP, with fused
 q/k/v projections); SGM's `conditioner.embedders.0.*` for the latter two. `convert` maps them to
 {"unet": ..., "vae": ..., "text_encoder": ...} as diffusers' UNet2DConditionModel,
-AutoencoderKL and transformers' CLIPTextModel name their parameters. The text encoder comes out
+AutoencoderKL and transformers' CLIPTextModel name their parameters.
+
+SDXL files are in SGM's layout: the UNet has `label_emb.0.0`/`label_emb.0.2` (the pooled text
+and time-id embedding, diffusers' `add_embedding.linear_1/2`), the first text encoder is CLIP
+ViT-L in Hugging Face's naming under `conditioner.embedders.0.transformer.`, the second is
+OpenCLIP ViT-bigG under `conditioner.embedders.1.model.` (fused q/k/v, all its layers used, and
+`text_projection` stored as [width, projection] for `x @ P`: CLIPTextModelWithProjection's
+`text_projection.weight` is its transpose). They come out as "text_encoder" and
+"text_encoder_2". The text encoder comes out
 in the flat layout transformers >= 5.6 saves (`embeddings.*`, `encoder.*`,
 `final_layer_norm.*`, no `text_model.` prefix); a caller whose library wants the prefix adds it.
 
@@ -35,6 +43,7 @@ EMA_PREFIX = "model_ema."
 VAE_PREFIXES = ("first_stage_model.", "vae.")
 CLIP_PREFIXES = ("cond_stage_model.transformer.", "conditioner.embedders.0.transformer.")
 OPEN_CLIP_PREFIXES = ("cond_stage_model.model.", "conditioner.embedders.0.model.")
+SDXL_OPEN_CLIP_PREFIX = "conditioner.embedders.1.model."  # SDXL's second text encoder (bigG)
 COMPONENTS = ("unet", "vae", "text_encoder")
 
 # Keys a full training checkpoint holds that no component needs: the DDPM schedule buffers,
@@ -53,6 +62,8 @@ _UNET_TOP = {
     "input_blocks.0.0": "conv_in",
     "out.0": "conv_norm_out",
     "out.2": "conv_out",
+    "label_emb.0.0": "add_embedding.linear_1",  # SDXL: pooled text + time ids
+    "label_emb.0.2": "add_embedding.linear_2",
 }
 _UNET_RESNET = {
     "in_layers.0": "norm1",
@@ -101,7 +112,7 @@ class Converted:
     this converter does not know), `other` (elsewhere: reported, never an error)."""
 
     components: dict[str, dict[str, np.ndarray]]
-    text_encoder: str  # "clip", "open_clip" or "" (none in the file)
+    text_encoder: str  # "clip", "open_clip", "clip+open_clip" (SDXL) or "" (none in the file)
     ema: bool  # the UNet's weights are the EMA ones
     ignored: list[str] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)
@@ -265,11 +276,22 @@ def _convert_clip(src: dict, prefix: str, out: Converted) -> dict:
     return te
 
 
-def _convert_open_clip(src: dict, prefix: str, text_layers: int | None, out: Converted) -> dict:
+def _convert_open_clip(
+    src: dict, prefix: str, text_layers: int | None, out: Converted, projection: bool = False
+) -> dict:
+    """projection: keep OpenCLIP's text projection as CLIPTextModelWithProjection's (SDXL)."""
     te = {}
     for key, t in src.items():
         if key in _OPEN_CLIP_TOP:
             te[_OPEN_CLIP_TOP[key]] = t
+            continue
+        if projection and key == "text_projection":
+            if t.ndim != 2:
+                raise UserError(
+                    f"{prefix}{key} has shape {list(t.shape)}, not [width, projection]; the "
+                    "checkpoint is damaged"
+                )
+            te["text_projection.weight"] = t.T  # OpenCLIP computes x @ P; a Linear x @ W.T
             continue
         if key in _OPEN_CLIP_DROPPED:
             out.ignored.append(prefix + key)
@@ -307,13 +329,14 @@ def convert(
     *,
     use_ema: bool = False,
     text_layers: int | None = None,
+    text_layers_2: int | None = None,
     unet_layers_per_block: int | None = None,
 ) -> Converted:
     """Split an LDM-layout state dict into diffusers-layout components.
 
     text_layers keeps the first so many of an OpenCLIP text encoder's layers (SD 2.x's config
-    has 23 of OpenCLIP-H's 24); None keeps them all. unet_layers_per_block is read from the
-    keys when not given.
+    has 23 of OpenCLIP-H's 24); None keeps them all; text_layers_2 is the same for SDXL's
+    second text encoder. unet_layers_per_block is read from the keys when not given.
     """
     out = Converted(components={}, text_encoder="", ema=False)
     out.components["unet"] = _convert_unet(tensors, use_ema, unet_layers_per_block, out)
@@ -326,7 +349,14 @@ def convert(
         prefix, src = _strip(tensors, OPEN_CLIP_PREFIXES)
         out.text_encoder = "open_clip" if src else ""
         out.components["text_encoder"] = _convert_open_clip(src, prefix, text_layers, out)
+    _, src = _strip(tensors, (SDXL_OPEN_CLIP_PREFIX,))
+    if src:
+        out.text_encoder += "+open_clip"
+        out.components["text_encoder_2"] = _convert_open_clip(
+            src, SDXL_OPEN_CLIP_PREFIX, text_layers_2, out, projection=True
+        )
     claimed = (UNET_PREFIX, *VAE_PREFIXES, *CLIP_PREFIXES, *OPEN_CLIP_PREFIXES)
+    claimed += (SDXL_OPEN_CLIP_PREFIX,)
     for key in tensors:
         if not key.startswith(claimed):
             (out.ignored if _IGNORED.match(key) else out.other).append(key)

@@ -1,7 +1,8 @@
 """The user's weight files as replacements for an artifact's own: `--weights`, `--vae`, `--lora`.
 
 `--weights FILE` is a checkpoint of the artifact's architecture (a single file in the original
-layout, or a diffusers folder): every tensor of the text encoder, UNet and VAE is taken from it,
+layout, SGM's for SDXL, or a diffusers folder): every tensor of the text encoder(s), UNet and VAE
+is taken from it,
 checked key by key and shape by shape against what the artifact was compiled with. `--vae FILE`
 replaces the VAE alone. LoRAs are merged (runtime/lora) into whichever weights are loaded,
 tensor by tensor, so the peak stays near one submodule's weights plus the LoRA files. Same
@@ -26,7 +27,12 @@ from .overrides import WeightOverrides
 from .winograd import base_key
 
 # The model component each parameter scope holds, as checkpoints and LoRAs name them.
-SCOPE_COMPONENTS = {"text_encoder": "text_encoder", "unet": "unet", "vae": "vae"}
+SCOPE_COMPONENTS = {
+    "text_encoder": "text_encoder",
+    "text_encoder_2": "text_encoder_2",  # SDXL's second
+    "unet": "unet",
+    "vae": "vae",
+}
 _LAYER = re.compile(r"encoder\.layers\.(\d+)\.")
 FILE_HASHES = "file-hashes.json"  # under the user cache: {path: [stamp..., sha256]}
 
@@ -130,17 +136,18 @@ def match_component(
 
 
 def _align_prefix(given: dict, targets: dict) -> dict:
-    """transformers 5 names CLIPTextModel's weights without the `text_model.` that files
-    (and transformers 4) have: strip or add it to match the artifact's keys."""
-    if not targets or not given:
-        return given
-    want = next(iter(targets)).startswith("text_model.")
-    have = any(k.startswith("text_model.") for k in given)
-    if have and not want:
-        return {k.removeprefix("text_model."): v for k, v in given.items()}
-    if want and not have:
-        return {"text_model." + k: v for k, v in given.items()}
-    return given
+    """transformers 5.6 names CLIPTextModel's weights without the `text_model.` that files
+    (and transformers 4) have, and CLIPTextModelWithProjection's with it (never its
+    `text_projection`): strip or add it, key by key, to match the artifact's keys."""
+    out = {}
+    for k, v in given.items():
+        if k not in targets:
+            if "text_model." + k in targets:
+                k = "text_model." + k
+            elif k.startswith("text_model.") and k.removeprefix("text_model.") in targets:
+                k = k.removeprefix("text_model.")
+        out[k] = v
+    return out
 
 
 def check_strength(text: str, where: str) -> float:
@@ -171,7 +178,9 @@ def _text_layers(targets: dict) -> int | None:
     return max(found) + 1 if found else None
 
 
-def read_model_file(path: Path, manifest: Manifest, targets_te: dict) -> dict[str, dict]:
+def read_model_file(
+    path: Path, manifest: Manifest, targets_te: dict, targets_te2: dict | None = None
+) -> dict[str, dict]:
     """The components of a --weights file or diffusers folder, as diffusers names them."""
     from ..checkpoints.detect import detect
     from ..checkpoints.ldm_layout import convert
@@ -180,7 +189,9 @@ def read_model_file(path: Path, manifest: Manifest, targets_te: dict) -> dict[st
 
     path = Path(path)
     if path.is_dir():
-        return _read_diffusers_folder(path)
+        return _read_diffusers_folder(
+            path, ("unet", "vae", "text_encoder", *(["text_encoder_2"] if targets_te2 else []))
+        )
     tf = read_tensors(path)
     found = detect(tf.tensors, tf.extras, where=str(path))
     if found.family != manifest.family:
@@ -196,14 +207,18 @@ def read_model_file(path: Path, manifest: Manifest, targets_te: dict) -> dict[st
             f"{path} is {kind} checkpoint ({found.in_channels}-channel UNet), this artifact's "
             f"UNet takes {in_channels} channels; use an artifact compiled for that kind"
         )
-    return convert(tf.tensors, text_layers=_text_layers(targets_te)).components
+    return convert(
+        tf.tensors,
+        text_layers=_text_layers(targets_te),
+        text_layers_2=_text_layers(targets_te2 or {}),
+    ).components
 
 
-def _read_diffusers_folder(path: Path) -> dict[str, dict]:
+def _read_diffusers_folder(path: Path, components) -> dict[str, dict]:
     from ..checkpoints.read import read_tensors
 
     out = {}
-    for comp in SCOPE_COMPONENTS.values():
+    for comp in components:
         files = sorted((path / comp).glob("*.safetensors"))
         if not files:
             raise UserError(
@@ -256,9 +271,13 @@ def build_overrides(
     tensors: dict[str, dict[str, np.ndarray]] = {}
     digest_parts: list[str] = []
     if weights is not None:
-        given = read_model_file(weights, manifest, own.keys("text_encoder"))
+        te2 = own.keys("text_encoder_2") if "text_encoder_2" in own.archives else None
+        given = read_model_file(weights, manifest, own.keys("text_encoder"), te2)
         for scope, comp in SCOPE_COMPONENTS.items():
-            tensors[scope] = match_component(scope, given[comp], own.keys(scope), str(weights))
+            if scope in own.archives:
+                tensors[scope] = match_component(
+                    scope, given.get(comp, {}), own.keys(scope), str(weights)
+                )
         prov.model = Path(weights).stem
         if Path(weights).is_file():
             sha = file_sha256(Path(weights))

@@ -31,6 +31,7 @@ def sd2_manifest(out, target, dtype):
             "hidden_size": 32,
             "tokenizer": "tokenizer",
             "pooled": "pooled_output",
+            "pooled_at": "largest_id",  # the tiny SD 2.x's config says eos_token_id 2
         }
     ]
     assert (d["image"]["height"], d["image"]["width"]) == (64, 64)

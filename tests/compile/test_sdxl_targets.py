@@ -37,6 +37,8 @@ def sdxl_manifest(out, target, dtype):
         ("text_encoder_2", "tokenizer_2", "text_embeds"),
     ]
     assert all(te["hidden_states"] == "penultimate" for te in d["text_encoders"])
+    # transformers pools the second (eos_token_id 2) at the largest id; the first at its EOS
+    assert [te.get("pooled_at") for te in d["text_encoders"]] == [None, "largest_id"]
     assert "tokenizer_2/vocab.json" in d["files"]
     assert d["conditioning"] == {
         "text_embeds": "text_encoder_2",

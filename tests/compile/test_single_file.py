@@ -361,7 +361,7 @@ def bad_files(root: Path, good: Path) -> dict[str, tuple[Path, str]]:
         "truncated": (truncated, "is truncated (header says"),
         "not-a-checkpoint": (text, "is not a checkpoint sdiree reads"),
         "code": (evil, "contains code (posix.system), which sdiree never runs"),
-        "sdxl": (sdxl, "SDXL is not supported yet"),
+        "sdxl-one-encoder": (sdxl, "an SDXL base checkpoint holds CLIP ViT-L"),
     }
 
 

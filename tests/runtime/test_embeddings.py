@@ -105,7 +105,7 @@ def bad(tmp_path, name, tensors):
     ("tensors", "message"),
     [
         ({"a": VECTORS, "b": VECTORS.clone()}, "2 tensors"),
-        ({"clip_l": VECTORS, "clip_g": VECTORS.clone()}, "SDXL embedding"),
+        ({"clip_l": VECTORS}, "has clip_l vectors but no clip_g"),
         ({"emb_params": VECTORS.long()}, "not floating point"),
         ({"emb_params": VECTORS[None]}, "shape"),
         ({"emb_params": VECTORS * float("nan")}, "NaN"),

@@ -69,8 +69,9 @@ def test_shipped_registry_loads_with_sd1_sd2_and_sdxl_supported():
     assert sdxl.unet_conditioning["text_embeds"] == "text_encoder_2"
     assert sdxl.vae_upcast == {"config_key": "force_upcast", "default": True}
     assert reg.family("sd1").vae_upcast is None and reg.family("sd1").unet_conditioning is None
-    # single-file SDXL checkpoints are still refused with this line
-    assert sdxl.refusal.startswith("SDXL is not supported yet as a single-file checkpoint")
+    # nothing of SDXL refused any more (single files: issue 19); each encoder's TI vector set
+    assert not sdxl.refusal
+    assert [te["embedding"] for te in sdxl.text_encoders] == ["clip_l", "clip_g"]
 
 
 def test_sd1_and_sd2_are_told_apart_by_their_configs():
@@ -165,7 +166,7 @@ def test_a_damaged_registry_is_one_line(tmp_path):
         load_families(path)
     del data["families"]["sd1"]
     data["families"]["sdxl"]["status"] = "refused"
-    data["families"]["sdxl"].pop("refusal")
+    data["families"]["sdxl"].pop("refusal", None)
     path.write_text(json.dumps(data))
     with pytest.raises(UserError, match="gives no 'refusal'"):
         load_families(path)

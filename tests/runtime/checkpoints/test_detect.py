@@ -84,7 +84,8 @@ def test_ema_weights_noticed():
     assert detect(keys).has_ema
 
 
-def test_sdxl_is_refused_like_a_folder():
+def sdxl_keys() -> dict:
+    """The keys detection reads in SDXL base 1.0 (SGM layout), at their real shapes."""
     keys = {
         "conditioner.embedders.0.transformer.text_model.embeddings.token_embedding.weight": z(
             49408, 768
@@ -92,9 +93,41 @@ def test_sdxl_is_refused_like_a_folder():
         "conditioner.embedders.1.model.token_embedding.weight": z(49408, 1280),
         U + "label_emb.0.0.weight": z(1280, 2816),
         U + "input_blocks.0.0.weight": z(320, 4, 3, 3),
+        U + "input_blocks.4.1.proj_in.weight": z(640, 640),
+        U + "input_blocks.4.1.transformer_blocks.0.attn2.to_k.weight": z(640, 2048),
         "first_stage_model.encoder.conv_in.weight": z(128, 3, 3, 3),
     }
-    refusal(keys, "SDXL is not supported yet", "sdiree compiles these model families only")
+    return keys
+
+
+def test_sdxl_base_detected():
+    det = detect(sdxl_keys())
+    assert (det.family, det.preset, det.label) == ("sdxl", "sdxl", "SDXL")
+    assert det.text_encoder == "clip+open_clip" and det.context_dim == 2048
+    assert (det.prediction_type, det.inpainting) == ("epsilon", False)
+    vpred = detect({**sdxl_keys(), "v_pred": z(1)})
+    assert vpred.prediction_type == "v_prediction" and "v_pred" in vpred.prediction_source
+    assert detect(sdxl_keys(), prediction_type="sample").prediction_type == "sample"
+
+
+def test_sdxl_refiner_and_partial_files_refused_naming_what_they_hold():
+    keys = sdxl_keys()
+    del keys["conditioner.embedders.0.transformer.text_model.embeddings.token_embedding.weight"]
+    del keys["conditioner.embedders.1.model.token_embedding.weight"]
+    keys["conditioner.embedders.0.model.token_embedding.weight"] = z(49408, 1280)
+    keys[U + "input_blocks.4.1.transformer_blocks.0.attn2.to_k.weight"] = z(768, 1280)
+    refusal(keys, "SDXL refiner", "conditioner.embedders.0.model.*", "no CLIP ViT-L")
+    only_g = sdxl_keys()
+    del only_g["conditioner.embedders.0.transformer.text_model.embeddings.token_embedding.weight"]
+    refusal(only_g, "but conditioner.embedders.1.model.*;", "an SDXL base checkpoint holds CLIP")
+    inpaint = {**sdxl_keys(), U + "input_blocks.0.0.weight": z(320, 9, 3, 3)}
+    refusal(inpaint, "SDXL inpainting model (9-channel UNet)")
+    wrong = {
+        **sdxl_keys(),
+        U + "input_blocks.4.1.transformer_blocks.0.attn2.to_k.weight": z(640, 2304),
+    }
+    refusal(wrong, "cross-attention width 2304", "(768 + 1280)")
+    refusal({**sdxl_keys(), "edm_mean": z(1, 4, 1, 1), "edm_std": z(1, 4, 1, 1)}, "Playground")
 
 
 @pytest.mark.parametrize(
