@@ -94,3 +94,25 @@ def release_mapped(identities: Iterable[tuple[int, int, int]]) -> int:
         if madvise(start, end - start, MADV_DONTNEED) == 0:
             done += end - start
     return done
+
+
+def resident_bytes(identities: Iterable[tuple[int, int, int]], smaps="/proc/self/smaps") -> int:
+    """Bytes of the files' mappings (by file_identity, all of them) in this process's RSS
+    now; 0 where /proc is not there."""
+    wanted, total, counting = set(identities), 0, False
+    try:
+        with open(smaps) as f:
+            for line in f:
+                head = line.split(maxsplit=5)
+                if head and "-" in head[0] and not head[0].endswith(":"):
+                    major, _, minor = head[3].partition(":") if len(head) > 4 else ("", "", "")
+                    try:
+                        ident = (int(major, 16), int(minor, 16), int(head[4]))
+                    except (ValueError, IndexError):
+                        ident = None
+                    counting = ident in wanted
+                elif counting and head[0] == "Rss:":
+                    total += int(head[1]) * 1024
+    except OSError:
+        return 0
+    return total
