@@ -150,3 +150,39 @@ def test_each_phase_starts_without_the_previous_ones_pages(compiled, tmp_path):
     np.testing.assert_array_equal(
         np.load(tmp_path / "released.npy"), np.load(tmp_path / "kept.npy")
     )
+
+
+def test_replaced_weights_encoded_in_the_cache_are_released_too(compiled, monkeypatch, tmp_path):
+    from sdiree.runtime.device_select import choose_device
+    from sdiree.runtime.manifest import load_manifest
+    from sdiree.runtime.pipeline import GenerationRequest, Text2Image, resolve_request
+    from sdiree.runtime.session import Session
+    from sdiree.runtime.weights.archive import Archive
+    from sdiree.runtime.weights.overrides import WeightOverrides
+
+    art = compiled.get("cpu", "host", "fp32")
+    monkeypatch.setenv("SDIREE_CACHE", str(tmp_path / "cache"))
+    m = load_manifest(art)
+    a = Archive(art / "unet.irpa")
+    scaled = {
+        k: (np.array(a.array(k)) * np.float32(1.02)).astype(e.dtype) for k, e in a.entries.items()
+    }
+    overrides = WeightOverrides({"unet": scaled}, digest="unet-1.02")
+    session = Session(m, choose_device(m, None)[0], Text2Image.SUBMODULES, overrides)
+    (cached,) = (tmp_path / "cache").rglob("unet.encoded.irpa")
+    ident = residency.file_identity(cached)
+    assert ident in session.weights.file_ids[m.submodules["unet"].encoder.scope]
+    during = []
+    call = session.call
+
+    def recording(sub, fn, *args):
+        out = call(sub, fn, *args)
+        if sub == "unet":
+            during.append(residency.resident_bytes([ident]))
+        return out
+
+    session.call = recording
+    req = resolve_request(m, GenerationRequest(prompt="a red boat", steps=2, seed=11))
+    Text2Image(m, session).generate(req, progress=None)
+    assert during and min(during) > 0  # the UNet read the cached archive in place
+    assert residency.resident_bytes([ident]) == 0  # and gave its pages back after the loop
