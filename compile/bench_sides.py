@@ -73,6 +73,16 @@ class SdireeSide:
             "image": lambda: [to_uint8(t2i.generate(req, progress=None).images)],
         }
         self.info = {"device": f"{info.label} ({info.name})", "scheduler": req.scheduler}
+        te_subs = [sub for sub, _ in te]
+        self.uses = {"text_encoder": te_subs, "unet": ["unet"], "vae_decode": ["vae_decoder"]}
+        self.loaded = pipeline_submodules(manifest, Text2Image)
+
+    def before_run(self, figure: str) -> None:
+        """Give back the pages of the modules this figure does not call, as `sdiree run`
+        does between its phases (Session.release): a figure's peak RSS is then its own
+        module's. The whole image releases each module itself when its phase ends."""
+        if figure in self.uses:
+            self.session.release([s for s in self.loaded if s not in self.uses[figure]])
 
     def after_run(self) -> dict:
         from sdiree.runtime.device import CPU_DRIVERS
@@ -232,7 +242,7 @@ class TorchSide:
         if self.cuda:
             self.info["device_name"] = torch.cuda.get_device_name(device)
 
-    def before_run(self) -> None:
+    def before_run(self, figure: str) -> None:
         if self.cuda:
             self.torch.cuda.reset_peak_memory_stats()
 

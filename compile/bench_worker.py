@@ -85,7 +85,7 @@ def worker_main(side: str, spec_path: Path) -> int:
                 fn = runner.figures[msg["figure"]]
                 gc.collect()
                 if hasattr(runner, "before_run"):
-                    runner.before_run()
+                    runner.before_run(msg["figure"])  # untimed, outside the peak
                 rss0 = rss_mb()
                 with PeakRSS() as peak:
                     t0 = time.perf_counter()

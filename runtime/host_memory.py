@@ -8,7 +8,9 @@ glibc keeps freed blocks and the next call reuses them (0 faults after the first
 bit-identical; tools/PERFORMANCE.md). The price: the process keeps its peak heap until it
 exits, which a generator that calls the UNet again and again would reach anyway.
 
-Set SDIREE_HOST_HEAP=default to leave glibc's behaviour alone.
+Set SDIREE_HOST_HEAP=default to leave glibc's behaviour alone. `release_freed_heap` gives the
+kept free pages back at the end of a phase whose working memory the next phase does not reuse
+(runtime/residency.py, Session.release).
 """
 
 from __future__ import annotations
@@ -41,3 +43,15 @@ def keep_freed_host_memory() -> bool:
     # A trim threshold of -1 turns trimming off (mallopt(3)).
     _applied = bool(mallopt(M_TRIM_THRESHOLD, -1)) and bool(mallopt(M_MMAP_MAX, 0))
     return _applied
+
+
+def release_freed_heap() -> bool:
+    """Return the heap's free pages to the OS once (glibc's malloc_trim); False elsewhere."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    trim.argtypes = (ctypes.c_size_t,)
+    trim(0)
+    return True

@@ -333,6 +333,7 @@ class Text2Image:
         t0 = time.perf_counter()
         cond = _as_inputs(self.encode_text(req.prompt, warnings))
         uncond = _as_inputs(self.encode_negative(req.negative_prompt, cond)) if cfg else None
+        self._phase_done(*text_encoder_submodules(self.manifest))
         timings.text_encoding = time.perf_counter() - t0
 
         generator = make_generator(req)
@@ -342,15 +343,18 @@ class Text2Image:
         # images together (its ancestral noise is one draw per step too, per image with
         # per-image seeds) and only the UNet runs in chunks of the compiled batch.
         latents, timesteps = self._initial_latents(req, sched, generator, timings, warnings)
+        self._phase_done("vae_encoder")  # img2img and inpainting encoded their image
         latents = self._denoise(
             latents, timesteps, sched, cond, uncond, req, generator, timings, progress
         )
+        self._phase_done("unet")
 
         t0 = time.perf_counter()
         images = decode_latents(
             self.session, latents, self.batch, self.vae_dtype, manifest=self.manifest,
             mode=req.vae_tiling, budget_bytes=req.vae_budget,
         )  # fmt: skip
+        self._phase_done("vae_decoder")
         timings.decode = time.perf_counter() - t0
         timings.total = time.perf_counter() - t_start
         return GenerationResult(
@@ -361,6 +365,14 @@ class Text2Image:
             warnings,
             list(self.used_embeddings.values()),
         )
+
+    def _phase_done(self, *submodules: str) -> None:
+        """Give back what these modules hold resident (Session.release): a run uses each
+        module in one phase, so the peak is the largest phase's, not the sum of all. A
+        session without release (a test's stand-in) keeps everything."""
+        release = getattr(self.session, "release", None)
+        if release is not None:
+            release(submodules)
 
     def _initial_latents(
         self,

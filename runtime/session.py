@@ -15,9 +15,10 @@ from typing import TypeVar
 
 import numpy as np
 
+from . import residency
 from .device import CPU_DRIVERS, DeviceInfo, create_device, to_host
 from .errors import UserError
-from .host_memory import keep_freed_host_memory
+from .host_memory import keep_freed_host_memory, release_freed_heap
 from .manifest import FunctionDecl, Manifest
 from .weights.overrides import LoadedWeights, WeightOverrides
 from .weights.pages import load_archive, paged_layout
@@ -75,6 +76,25 @@ class Session:
             sub = manifest.submodules[name]
             self._vm_modules[name] = map_module(self.instance, manifest.path(sub.vmfb))
         self.context = rt.VmContext(self.instance, modules=[*modules, *self._vm_modules.values()])
+
+    def release(self, submodules: Iterable[str]) -> int:
+        """Give back what these submodules hold resident once their phase of a run is over:
+        the mapped pages of their weights and the freed heap (runtime/residency.py). Their
+        next call reads the pages back from the page cache. cpu drivers only; returns the
+        bytes of address space released (0: nothing, elsewhere or SDIREE_PHASE_MEMORY=keep)."""
+        if self.device_info.driver not in CPU_DRIVERS or not residency.enabled():
+            return 0
+        manifest = self.manifest
+        scopes = {
+            scope
+            for name in submodules
+            if name in self._vm_modules
+            for _, scope in manifest.submodules[name].archives()
+        }
+        files = set().union(*(self.weights.file_ids.get(s, set()) for s in scopes))
+        released = residency.release_mapped(files)
+        release_freed_heap()
+        return released
 
     def decl(self, submodule: str, function: str) -> FunctionDecl:
         return self.manifest.submodules[submodule].functions[function]

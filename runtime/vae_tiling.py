@@ -27,14 +27,13 @@ can only tile, one compiled for the whole image decodes it whole (it is one tile
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import UserError
+from .host_memory import release_freed_heap
 
 OVERLAP = 0.25  # diffusers' tile_overlap_factor
 SCALE = 8  # image pixels per latent (SD's VAEs: four blocks)
@@ -374,24 +373,6 @@ def encode_image(
     return run_vae(session, calls, image, batch, dtype)
 
 
-def release_freed_heap() -> bool:
-    """Return the heap's free pages to the OS once (glibc's malloc_trim); False elsewhere.
-
-    On the cpu driver freed heap stays resident (runtime/host_memory.py), and a module's first
-    call leaves allocations of its own above its freed work buffers: the second call then
-    takes fresh memory while the first's stays resident, ~2 GB more at SD 1.5's 512 px tile
-    (a 1024x1024 tiled decode peaked at 4.8 GB against 2.8 GB for 512x512). Released after
-    the first tile, the second call refaults what it needs (~1 s) and later calls reuse it."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return False
-    trim.argtypes = (ctypes.c_size_t,)
-    trim(0)
-    return True
-
-
 def run_vae(session, calls: VaeCalls, x: np.ndarray, batch: int, dtype):
     """calls' module over x in chunks of the compiled batch (the last one padded)."""
     submodule, in_log = calls.submodule, calls.in_log
@@ -403,6 +384,12 @@ def run_vae(session, calls: VaeCalls, x: np.ndarray, batch: int, dtype):
         outs = session.call(submodule, name, tile.astype(dtype))
         if calls.tiled and first[0]:
             first[0] = False
+            # Freed heap stays resident on the cpu driver (runtime/host_memory.py), and a
+            # module's first call leaves allocations of its own above its freed work buffers:
+            # the second call then took fresh memory while the first's stayed, ~2 GB more at
+            # SD 1.5's 512 px tile (a 1024x1024 tiled decode peaked at 4.8 GB against 2.8 GB
+            # for 512x512). Released after the first tile, the second call refaults what it
+            # needs (~1 s) and later calls reuse it.
             release_freed_heap()
         if calls.tiled and any(in_log):
             outs = [

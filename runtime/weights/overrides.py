@@ -28,6 +28,7 @@ import numpy as np
 from ..errors import UserError
 from ..fileutil import remove_stale_temps, sha256_json, temp_path_for, user_cache_dir
 from ..manifest import Manifest
+from ..residency import file_identity
 from .archive import Archive
 from .pages import load_archive, store_encoded
 from .repack import REPACK_ENV, layout_for, repacked_index
@@ -100,6 +101,11 @@ class LoadedWeights:
                     "recompile it with this sdiree to use --weights, --vae or --lora"
                 )
         self.indices: dict[str, object] = {}
+        # the files each scope's pages are mapped from, as residency names them
+        self.file_ids: dict[str, set] = {
+            scope: {i for i in map(file_identity, paths) if i is not None}
+            for scope, paths in by_scope.items()
+        }
         for scope, paths in by_scope.items():
             if scope in encoded_scopes:
                 continue  # computed below from the replaced weights
@@ -112,6 +118,12 @@ class LoadedWeights:
                 self.indices[scope] = index
         for scope, name in encoded_scopes.items():
             self.indices[scope] = self._encoded_index(name, device)
+
+    def _mapped(self, scope: str, path: Path) -> None:
+        """Note that scope's pages are (also) mapped from the file at path."""
+        ident = file_identity(path)
+        if ident is not None:
+            self.file_ids.setdefault(scope, set()).add(ident)
 
     def providers(self) -> list:
         return [index.create_provider(scope=scope) for scope, index in self.indices.items()]
@@ -183,6 +195,7 @@ class LoadedWeights:
         if cached is not None and cached.is_file():
             self.report(f"{name}: encoded weights from the cache ({cached.parent})")
             load_archive(index, cached)
+            self._mapped(enc.scope, cached)
             os.utime(cached.parent)  # recently used: pruned last
             return index
         if cached is None and os.environ.get(REPACK_ENV, "1") != "0":
@@ -240,8 +253,10 @@ class LoadedWeights:
             if cached is not None:
                 store_encoded(raw, cached)
                 load_archive(index, cached)
+                self._mapped(enc.scope, cached)
             else:
                 index.load(str(raw))  # mapped: the file can go now, its pages stay ours
+                self._mapped(enc.scope, raw)
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(raw)
