@@ -53,6 +53,8 @@ class DtypeOption:
     # {submodule: export choices} for this dtype, over the target's; a null value drops the
     # choice (e.g. cpu bf16 turns Winograd F(4x4) off: its transforms cost bf16 10x the error)
     submodule_export: dict[str, dict] = field(default_factory=dict)
+    # {cpu feature: note} said at compile when the arch's CPU has it (e.g. bf16 slower there)
+    notes_if_cpu_has: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,14 @@ class Target:
             return ()
         have = self.arch(arch).features()
         return tuple(f for f in opt.flags_if_cpu_lacks if f not in have)
+
+    def cpu_notes(self, dtype: str, arch: str) -> tuple[str, ...]:
+        """The dtype option's notes for features the arch's CPU has."""
+        opt = self.dtype_options.get(dtype)
+        if not opt or not opt.notes_if_cpu_has:
+            return ()
+        have = self.arch(arch).features()
+        return tuple(n for f, n in opt.notes_if_cpu_has.items() if f in have)
 
     def dtype_flags(self, dtype: str, arch: str) -> tuple[str, ...]:
         """Flags of a dtype option, with those for features arch's CPU lacks."""
@@ -210,6 +220,7 @@ DTYPE_OPTION_FIELDS = {
     "flags_if_cpu_lacks": "flag_map",
     "submodule_flags": "flag_map",
     "submodule_export": "obj_map",
+    "notes_if_cpu_has": "str_map",
 }
 # Export choices (compile/exporters: ATTENTIONS, CONV_CHOICES; runtime stays torch-free, so
 # they are repeated here and a test keeps them equal).
@@ -409,6 +420,7 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
                     flags_if_cpu_lacks=_tuples(o.get("flags_if_cpu_lacks", {})),
                     submodule_flags=_tuples(o.get("submodule_flags", {})),
                     submodule_export=dict(o.get("submodule_export", {})),
+                    notes_if_cpu_has=dict(o.get("notes_if_cpu_has", {})),
                 )
                 for d, o in t.get("dtype_options", {}).items()
             },

@@ -238,3 +238,32 @@ def test_compile_notes_a_dtype_the_cpu_lacks_features_for(tiny_model, tmp_path, 
     plan = resolve(opts, Reporter(stream=said))
     assert plan.dtype == dtype and not (tmp_path / "a").exists()
     assert ("has no avx512_bf16, so bf16 is compiled without" in said.getvalue()) == noted
+
+
+@pytest.mark.parametrize(
+    "features,dtype,noted",
+    [(("amx_bf16",), "bf16", True), ((), "bf16", False), (("amx_bf16",), "fp32", False)],
+)
+def test_compile_notes_bf16_is_slower_on_an_amx_cpu(tiny_model, tmp_path, features, dtype, noted):
+    """On a CPU with AMX (iree 3.13 has no AMX kernels) bf16 ran slower than fp32: compile says
+    so, from the registry's `notes_if_cpu_has`, for an arch whose CPU has the feature."""
+    import io
+    import json
+    import shutil
+
+    from sdiree.compile.driver import CompileOptions, resolve
+    from sdiree.compile.report import Reporter
+    from sdiree.runtime.targets import default_specs_dir
+
+    specs = tmp_path / "specs"
+    shutil.copytree(default_specs_dir(), specs)
+    data = json.loads((specs / "targets.json").read_text())
+    base = ["avx2", "fma", "avx512f", "avx512_bf16"]
+    data["targets"]["cpu"]["arches"]["probe"] = {"flags": [], "cpu_features": [*base, *features]}
+    (specs / "targets.json").write_text(json.dumps(data))
+    said = io.StringIO()
+    opts = CompileOptions(
+        tiny_model, "cpu", arch="probe", dtype=dtype, out=tmp_path / "a", specs_dir=specs
+    )
+    resolve(opts, Reporter(stream=said))
+    assert ("this CPU has AMX" in said.getvalue()) == noted
