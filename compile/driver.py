@@ -93,7 +93,7 @@ class Builder:
 
     # -- keys ---------------------------------------------------------------------------
     def export_options(self, submodule: str) -> dict:
-        return self.plan.target.export_for(submodule)
+        return self.plan.target.export_for(submodule, self.plan.dtype)
 
     def export_key(self, submodule: str) -> str:
         p = self.plan

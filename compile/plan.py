@@ -187,6 +187,8 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
             f"note: {arch}'s CPU has no {', '.join(missing)}, so {dtype} is compiled without the "
             "code paths that need it and runs slower than on a CPU with it (specs/README.md)"
         )
+    for note in target.cpu_notes(dtype, arch):
+        reporter.say(f"note: {note}")
 
     vae_factor = 2 ** (len(configs["vae"]["block_out_channels"]) - 1)
     default_hw = configs["unet"]["sample_size"] * vae_factor

@@ -50,6 +50,11 @@ class DtypeOption:
     flags_if_cpu_lacks: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # {submodule: flags} for this dtype, after (so overriding) the target's submodule_flags
     submodule_flags: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # {submodule: export choices} for this dtype, over the target's; a null value drops the
+    # choice (e.g. cpu bf16 turns Winograd F(4x4) off: its transforms cost bf16 10x the error)
+    submodule_export: dict[str, dict] = field(default_factory=dict)
+    # {cpu feature: note} said at compile when the arch's CPU has it (e.g. bf16 slower there)
+    notes_if_cpu_has: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -71,9 +76,16 @@ class Target:
     encode_parameters: bool = False
     submodule_export: dict[str, dict] = field(default_factory=dict)  # submodule -> overrides
 
-    def export_for(self, submodule: str) -> dict:
-        """The export choices of one submodule: the target's, with its overrides on top."""
-        return {**self.export, **self.submodule_export.get(submodule, {})}
+    def export_for(self, submodule: str, dtype: str | None = None) -> dict:
+        """The export choices of one submodule: the target's, with the submodule's overrides
+        and then the dtype option's for it on top (a null override drops a choice)."""
+        opt = self.dtype_options.get(dtype) if dtype else None
+        choices = {
+            **self.export,
+            **self.submodule_export.get(submodule, {}),
+            **(opt.submodule_export.get(submodule, {}) if opt else {}),
+        }
+        return {k: v for k, v in choices.items() if v is not None}
 
     def refusals(self, arch: str) -> dict[str, str]:
         """Dtypes that compile wrong or not at all for this arch, with the reason."""
@@ -112,6 +124,14 @@ class Target:
             return ()
         have = self.arch(arch).features()
         return tuple(f for f in opt.flags_if_cpu_lacks if f not in have)
+
+    def cpu_notes(self, dtype: str, arch: str) -> tuple[str, ...]:
+        """The dtype option's notes for features the arch's CPU has."""
+        opt = self.dtype_options.get(dtype)
+        if not opt or not opt.notes_if_cpu_has:
+            return ()
+        have = self.arch(arch).features()
+        return tuple(n for f, n in opt.notes_if_cpu_has.items() if f in have)
 
     def dtype_flags(self, dtype: str, arch: str) -> tuple[str, ...]:
         """Flags of a dtype option, with those for features arch's CPU lacks."""
@@ -199,6 +219,8 @@ DTYPE_OPTION_FIELDS = {
     "flags": "strs",
     "flags_if_cpu_lacks": "flag_map",
     "submodule_flags": "flag_map",
+    "submodule_export": "obj_map",
+    "notes_if_cpu_has": "str_map",
 }
 # Export choices (compile/exporters: ATTENTIONS, CONV_CHOICES; runtime stays torch-free, so
 # they are repeated here and a test keeps them equal).
@@ -264,8 +286,10 @@ class _Checker:
             if key not in obj:
                 self.fail(where, f"has no '{key}'")
 
-    def export(self, choices: dict, where: str, unet: bool) -> None:
+    def export(self, choices: dict, where: str, unet: bool, nullable: bool = False) -> None:
         for key, value in choices.items():
+            if value is None and nullable and (key in EXPORT_CHOICES or key == UNET_ONLY_EXPORT):
+                continue
             if key == UNET_ONLY_EXPORT and unet:
                 if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
                     self.fail(f"{where}.{key}", f"must be a positive integer, not {value!r:.60}")
@@ -318,6 +342,10 @@ def check_registry(data: dict, path: Path) -> None:
             c.fields(opt, DTYPE_OPTION_FIELDS, ("export_dtype",), wd)
             c.names([opt["export_dtype"]], DTYPES, f"{wd}.export_dtype", "dtype")
             c.names(opt.get("submodule_flags", {}), SUBMODULE_NAMES, wd, "submodule")
+            c.names(opt.get("submodule_export", {}), SUBMODULE_NAMES, wd, "submodule")
+            for sub, choices in opt.get("submodule_export", {}).items():
+                at = f"{wd}.submodule_export.{sub}"
+                c.export(choices, at, unet=sub == "unet", nullable=True)
         for a, spec in t["arches"].items():
             wa = f"{w}.arches.{a}"
             c.fields(spec, ARCH_FIELDS, (), wa)
@@ -391,6 +419,8 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
                     flags=tuple(o.get("flags", ())),
                     flags_if_cpu_lacks=_tuples(o.get("flags_if_cpu_lacks", {})),
                     submodule_flags=_tuples(o.get("submodule_flags", {})),
+                    submodule_export=dict(o.get("submodule_export", {})),
+                    notes_if_cpu_has=dict(o.get("notes_if_cpu_has", {})),
                 )
                 for d, o in t.get("dtype_options", {}).items()
             },

@@ -104,6 +104,22 @@ CASES = {
         _cpu(lambda t: t["submodule_export"]["vae_decoder"].__setitem__("conv", "fft")),
         "targets.cpu.submodule_export.vae_decoder.conv is 'fft'",
     ),
+    "unknown-conv-for-a-dtype": (
+        _cpu(
+            lambda t: t["dtype_options"]["bf16"]["submodule_export"]["unet"].__setitem__(
+                "conv", "fft"
+            )
+        ),
+        "targets.cpu.dtype_options.bf16.submodule_export.unet.conv is 'fft'",
+    ),
+    "dtype-export-of-a-misspelt-submodule": (
+        _cpu(lambda t: t["dtype_options"]["bf16"]["submodule_export"].__setitem__("uent", {})),
+        "targets.cpu.dtype_options.bf16 names submodule 'uent'",
+    ),
+    "null-outside-a-dtype-option": (
+        _cpu(lambda t: t["submodule_export"]["unet"].__setitem__("winograd4_min_side", None)),
+        "targets.cpu.submodule_export.unet.winograd4_min_side must be a positive integer",
+    ),
     "unet-only-choice-for-the-vae": (
         _cpu(lambda t: t["submodule_export"]["vae_encoder"].__setitem__("winograd4_min_side", 8)),
         "winograd4_min_side applies to the unet only",
