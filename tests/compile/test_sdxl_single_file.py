@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import test_single_file as single_file_tests  # folder_tensors, entry_bytes
 from test_cli_errors import assert_clean_failure, run_compile  # the compile CLI's helpers
 
 from sdiree.compile.single_file import (
@@ -64,7 +65,7 @@ def tiny_sdxl_wide(tmp_path_factory) -> Path:
 
 
 def folder_tensors(model: Path) -> dict:
-    return {c: safetensors_numpy.load_file(str(model / c / f)) for c, f in COMPONENTS.items()}
+    return single_file_tests.folder_tensors(model, COMPONENTS)
 
 
 # (model, file name, variant, fp16)
@@ -269,15 +270,6 @@ def test_bad_sdxl_files_one_line_nothing_written(
         assert not cache.exists(), case
 
 
-def entry_bytes(archive, key: str) -> bytes:
-    e = archive.entries[key]
-    if e.splat is not None:
-        return e.splat + e.length.to_bytes(8, "little")
-    with open(archive.path, "rb") as f:
-        f.seek(e.offset)
-        return f.read(e.length)
-
-
 def test_sdxl_single_file_compiles_to_the_folders_image(
     compiled_sdxl, sdxl_files, tiny_sdxl_model, tmp_path
 ):
@@ -317,7 +309,10 @@ def test_sdxl_single_file_compiles_to_the_folders_image(
         a, b = Archive(art / name), Archive(folder_art / name)
         assert set(a.entries) == set(b.entries), name
         for key in b.entries:
-            assert entry_bytes(a, key) == entry_bytes(b, key), (name, key)
+            assert single_file_tests.entry_bytes(a, key) == single_file_tests.entry_bytes(b, key), (
+                name,
+                key,
+            )
     args = ("euler", 6, 7.5, 42, "a lighthouse at dusk", "blurry", 1)
     ours, m = sdiree_images(art, *args)
     ref, _ = sdiree_images(folder_art, *args)

@@ -75,8 +75,8 @@ def models(tiny_model, tiny_sd2_model, tiny_inpaint):
     return {"sd1": tiny_model, "sd2": tiny_sd2_model, "inpaint": tiny_inpaint}
 
 
-def folder_tensors(model: Path) -> dict:
-    return {c: safetensors_numpy.load_file(str(model / c / f)) for c, f in WEIGHTS.items()}
+def folder_tensors(model: Path, weights: dict = WEIGHTS) -> dict:
+    return {c: safetensors_numpy.load_file(str(model / c / f)) for c, f in weights.items()}
 
 
 # (model, file name, variant, fp16): the kinds of file people download
