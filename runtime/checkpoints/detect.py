@@ -179,10 +179,7 @@ def detect(
             "checkpoint"
         )
     inpainting = in_channels == 9
-    if prediction_type is not None and prediction_type not in PREDICTION_TYPES:
-        raise UserError(
-            f"--prediction-type {prediction_type!r} is not one of {', '.join(PREDICTION_TYPES)}"
-        )
+    _check_prediction_type(prediction_type)
     step = (extras or {}).get("global_step")
     if prediction_type is not None:
         source = "--prediction-type"
@@ -210,6 +207,13 @@ def detect(
         text_encoder=kind,
         has_ema=any(k.startswith("model_ema.diffusion_model") for k in keys),
     )
+
+
+def _check_prediction_type(prediction_type: str | None) -> None:
+    if prediction_type is not None and prediction_type not in PREDICTION_TYPES:
+        raise UserError(
+            f"--prediction-type {prediction_type!r} is not one of {', '.join(PREDICTION_TYPES)}"
+        )
 
 
 def _width(tensors: dict, key: str) -> int | None:
@@ -262,10 +266,7 @@ def _detect_sdxl(
             f"hidden sizes together ({h1} + {h2}): they come from different models; "
             "re-download the checkpoint"
         )
-    if prediction_type is not None and prediction_type not in PREDICTION_TYPES:
-        raise UserError(
-            f"--prediction-type {prediction_type!r} is not one of {', '.join(PREDICTION_TYPES)}"
-        )
+    _check_prediction_type(prediction_type)
     if prediction_type is not None:
         source = "--prediction-type"
     elif "v_pred" in tensors:
