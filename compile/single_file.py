@@ -47,6 +47,7 @@ from sdiree.runtime.fileutil import (
     sha256_json,
 )
 from sdiree.runtime.tokenizer import _BYTE_CHARS
+from sdiree.runtime.weights.sources import align_text_prefix
 
 from .model_source import check_config, read_json_object
 
@@ -299,10 +300,7 @@ def _checked(components: dict, expected: dict, where: str, config_name: str) -> 
     for comp, want in expected.items():
         have = components.get(comp, {})
         if comp.startswith("text_encoder"):
-            have = {
-                (f"text_model.{k}" if k not in want and f"text_model.{k}" in want else k): v
-                for k, v in have.items()
-            }
+            have = align_text_prefix(have, want)
         check_shapes(want, have, where, comp.replace("_", " "), config_name)
         out[comp] = {k: have[k] for k in want}
     return out

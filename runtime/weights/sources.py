@@ -117,7 +117,7 @@ def match_component(
 ) -> dict[str, np.ndarray]:
     """given's tensors under the artifact's keys (targets), in the artifact's dtypes; one line
     naming the first missing or differing tensor when given is another architecture."""
-    given = _align_prefix(given, targets)
+    given = align_text_prefix(given, targets)
     out = {}
     for key, (shape, dtype) in targets.items():
         if key not in given:
@@ -135,7 +135,7 @@ def match_component(
     return out
 
 
-def _align_prefix(given: dict, targets: dict) -> dict:
+def align_text_prefix(given: dict, targets: dict) -> dict:
     """transformers 5.6 names CLIPTextModel's weights without the `text_model.` that files
     (and transformers 4) have, and CLIPTextModelWithProjection's with it (never its
     `text_projection`): strip or add it, key by key, to match the artifact's keys."""
