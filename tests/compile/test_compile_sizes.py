@@ -98,3 +98,44 @@ def test_compile_refuses_bad_sizes(tiny_model, tmp_path, sizes, says):
     proc = run_compile(tiny_model, "--target", "cpu", "--sizes", sizes, "--out", out)
     assert_clean_failure(proc, says)
     assert not out.exists()
+
+
+def test_guided_call_at_an_odd_latent_side_is_deterministic(sized):
+    """iree 3.13 raced on cpu inside the guided UNet call at odd latent sides (40x40 px: 5x5
+    latents) when dispatches ran concurrently: ~0.7 % of calls on a loaded 2-core machine
+    returned a wrong result (rel. error up to 0.7). The cpu preset compiles with one dispatch at
+    a time (compile/NOTES.md); a busy thread beside the calls makes the race show where it is."""
+    import threading
+
+    from sdiree.runtime.device_select import choose_device
+    from sdiree.runtime.manifest import load_manifest
+    from sdiree.runtime.session import Session
+
+    art, _ = sized
+    manifest = load_manifest(art)
+    session = Session(manifest, choose_device(manifest, None)[0], ["unet"])
+    rng = np.random.default_rng(0)
+    args = [
+        rng.standard_normal(d.shape).astype(d.dtype)
+        for d in session.decl("unet", "denoise_cfg_5x5").inputs
+    ]
+    first = session.call("unet", "denoise_cfg_5x5", *args)[0]
+    stop = threading.Event()
+
+    def busy():
+        a = rng.standard_normal((256, 256)).astype(np.float32)
+        while not stop.is_set():
+            a = np.tanh(a @ a)
+
+    noise = threading.Thread(target=busy)
+    noise.start()
+    try:
+        calls = 1500 if manifest.target == "cpu" else 20
+        differing = sum(
+            not np.array_equal(session.call("unet", "denoise_cfg_5x5", *args)[0], first)
+            for _ in range(calls)
+        )
+    finally:
+        stop.set()
+        noise.join()
+    assert differing == 0, f"{differing} of {calls} calls differ from the first"
