@@ -130,7 +130,7 @@ def test_guided_call_at_an_odd_latent_side_is_deterministic(sized):
     noise = threading.Thread(target=busy)
     noise.start()
     try:
-        calls = 1500 if manifest.target == "cpu" else 20
+        calls = 1500 if manifest.target == "cpu" else 6  # lavapipe: 3 s a call, 0 of 20 differed
         differing = sum(
             not np.array_equal(session.call("unet", "denoise_cfg_5x5", *args)[0], first)
             for _ in range(calls)
