@@ -140,52 +140,52 @@ def test_sdiree_run_writes_the_sdxl_image_with_its_parameters(compiled_sdxl, tmp
     assert psnr(np.asarray(img)[None], ref) >= 40.0
 
 
-def test_sdxl_img2img_matches_diffusers(compiled_sdxl):
+def diffusers_edit(model, cls_name: str, init, strength: float, **call) -> np.ndarray:
+    """uint8 images of diffusers' SDXL img2img/inpaint pipeline cls_name: euler, 8 steps,
+    guidance 7.5, seed 42 (sdiree's side: EDIT_ARGS)."""
     import diffusers
     import torch
-    from edit_parity import pattern_image, sdiree_edit_images
     from PIL import Image
 
-    art = compiled_sdxl.get("cpu", "host", "fp32")
-    init = pattern_image(*SIZE)
-    args = ("euler", 8, 7.5, 42, PROMPT, NEGATIVE, 1)
-    ours, _ = sdiree_edit_images(art, *args, init, None, 0.6)
-    pipe = diffusers.StableDiffusionXLImg2ImgPipeline.from_pretrained(
-        compiled_sdxl.model, add_watermarker=False, local_files_only=True
+    pipe = getattr(diffusers, cls_name).from_pretrained(
+        model, add_watermarker=False, local_files_only=True
     )
     pipe.set_progress_bar_config(disable=True)
     ref = pipe(
-        PROMPT, negative_prompt=NEGATIVE, image=Image.fromarray(init), strength=0.6,
+        PROMPT, negative_prompt=NEGATIVE, image=Image.fromarray(init), strength=strength,
         num_inference_steps=8, guidance_scale=7.5,
-        generator=torch.Generator("cpu").manual_seed(42), output_type="np",
+        generator=torch.Generator("cpu").manual_seed(42), output_type="np", **call,
     ).images  # fmt: skip
-    assert psnr(ours, (ref * 255).round().astype(np.uint8)) >= 40.0
+    return (ref * 255).round().astype(np.uint8)
+
+
+EDIT_ARGS = ("euler", 8, 7.5, 42, PROMPT, NEGATIVE, 1)
+
+
+def test_sdxl_img2img_matches_diffusers(compiled_sdxl):
+    from edit_parity import pattern_image, sdiree_edit_images
+
+    art = compiled_sdxl.get("cpu", "host", "fp32")
+    init = pattern_image(*SIZE)
+    ours, _ = sdiree_edit_images(art, *EDIT_ARGS, init, None, 0.6)
+    ref = diffusers_edit(compiled_sdxl.model, "StableDiffusionXLImg2ImgPipeline", init, 0.6)
+    assert psnr(ours, ref) >= 40.0
 
 
 def test_sdxl_inpaint_by_latent_blending_matches_diffusers(compiled_sdxl):
     """`--mask` with an ordinary (4-channel) SDXL UNet: diffusers' StableDiffusionXLInpaintPipeline
     blends the kept part's noised latents in after every step, as sdiree's text2img pipeline does."""
-    import diffusers
-    import torch
     from edit_parity import pattern_image, pattern_mask, sdiree_edit_images
     from PIL import Image
 
     art = compiled_sdxl.get("cpu", "host", "fp32")
     init, mask = pattern_image(*SIZE), pattern_mask(*SIZE)
-    args = ("euler", 8, 7.5, 42, PROMPT, NEGATIVE, 1)
-    ours, _ = sdiree_edit_images(art, *args, init, mask, 0.7)
-    pipe = diffusers.StableDiffusionXLInpaintPipeline.from_pretrained(
-        compiled_sdxl.model, add_watermarker=False, local_files_only=True
-    )
-    pipe.set_progress_bar_config(disable=True)
-    ref = pipe(
-        PROMPT, negative_prompt=NEGATIVE, image=Image.fromarray(init),
-        mask_image=Image.fromarray(mask), strength=0.7, height=SIZE[0], width=SIZE[1],
-        num_inference_steps=8, guidance_scale=7.5,
-        generator=torch.Generator("cpu").manual_seed(42), output_type="np",
-    ).images  # fmt: skip
-    ref = (ref * 255).round().astype(np.uint8)
+    ours, _ = sdiree_edit_images(art, *EDIT_ARGS, init, mask, 0.7)
+    ref = diffusers_edit(
+        compiled_sdxl.model, "StableDiffusionXLInpaintPipeline", init, 0.7,
+        mask_image=Image.fromarray(mask), height=SIZE[0], width=SIZE[1],
+    )  # fmt: skip
     assert psnr(ours, ref) >= 40.0
     # a dropped mask would be noticed: img2img at the same strength is far from it
-    plain, _ = sdiree_edit_images(art, *args, init, None, 0.7)
+    plain, _ = sdiree_edit_images(art, *EDIT_ARGS, init, None, 0.7)
     assert psnr(plain, ref) < 30.0
