@@ -4,16 +4,14 @@ its diffusers folder, and diffusers' image of that folder; an SD 1.x file is ref
 
 from __future__ import annotations
 
-import shutil
-
-import numpy as np
 import pytest
 
 from sdiree.runtime.errors import UserError
-from sdiree.runtime.generate import generate_to_files
 
 pytest.importorskip("torch")
 from parity import diffusers_images, psnr  # noqa: E402  (tools/, on sys.path via conftest)
+from test_weight_files import _moved as moved  # noqa: E402  (this folder)
+from test_weight_files import _run as run_image  # noqa: E402
 from to_single_file import write_single_file  # noqa: E402
 
 PROMPT, NEGATIVE = "a lighthouse on a cliff", "blurry"
@@ -23,41 +21,14 @@ COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
 
 @pytest.fixture(scope="module")
 def fine_tune(tiny_sdxl_model, tmp_path_factory):
-    from safetensors import safe_open
-    from safetensors.numpy import save_file
-
-    dst = tmp_path_factory.mktemp("xl-ft") / "tiny-sdxl-ft"
-    shutil.copytree(tiny_sdxl_model, dst)
-    rng = np.random.default_rng(1)
-    for comp in COMPONENTS:
-        for f in sorted((dst / comp).glob("*.safetensors")):
-            with safe_open(str(f), "np") as fh:
-                meta = fh.metadata()
-                sd = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
-            for k, v in sd.items():
-                if v.dtype.kind == "f":
-                    noise = rng.standard_normal(v.shape).astype(v.dtype)
-                    sd[k] = v + noise * np.float32(0.05 * (float(v.std()) + 1e-3))
-            save_file(sd, str(f), metadata=meta)
-    return dst
+    return moved(tiny_sdxl_model, tmp_path_factory.mktemp("xl-ft") / "tiny-sdxl-ft", 1, COMPONENTS)
 
 
 def _run(art, out, **kw):
-    from PIL import Image
-
-    (path,) = generate_to_files(
-        artifact_dir=art,
-        prompt=PROMPT,
-        negative_prompt=NEGATIVE,
-        steps=STEPS,
-        guidance_scale=GUIDANCE,
-        scheduler="euler",
-        seed=SEED,
-        output=out,
-        **kw,
-    )
-    img = Image.open(path)
-    return np.asarray(img.convert("RGB")), img.text["parameters"]
+    return run_image(
+        art, out, prompt=PROMPT, negative_prompt=NEGATIVE, steps=STEPS, guidance_scale=GUIDANCE,
+        seed=SEED, **kw,
+    )  # fmt: skip
 
 
 def test_sdxl_weights_file_is_the_fine_tune(compiled_sdxl, fine_tune, tiny_model, tmp_path):

@@ -86,18 +86,12 @@ def compiled_fine_tune(fine_tune, tmp_path_factory):
 
 
 def _run(art, out, **kw):
+    """`sdiree run`'s image (RGB) and PNG parameters, euler with this file's prompt, steps,
+    guidance and seed unless kw names others (tests/runtime/weights/test_sdxl_weights.py)."""
     from PIL import Image
 
-    (path,) = generate_to_files(
-        artifact_dir=art,
-        prompt=kw.pop("prompt", PROMPT),
-        steps=STEPS,
-        guidance_scale=GUIDANCE,
-        scheduler="euler",
-        seed=SEED,
-        output=out,
-        **kw,
-    )
+    args = {"prompt": PROMPT, "steps": STEPS, "guidance_scale": GUIDANCE, "seed": SEED}
+    (path,) = generate_to_files(artifact_dir=art, scheduler="euler", output=out, **{**args, **kw})
     img = Image.open(path)
     return np.asarray(img.convert("RGB")), img.text["parameters"]
 
