@@ -124,25 +124,48 @@ def squeeze(shape) -> tuple[int, ...]:
 
 
 # -- codes --------------------------------------------------------------------------------
-def coded_inputs(params: dict[str, tuple[tuple[int, ...], np.dtype]]):
-    """{key: coded float32 array} for the float32 params, and {key: first code index}. Each
-    element's bits are CODE_BASE + its index among all coded elements."""
-    arrays, bases = {}, {}
-    at = 0
+def write_coded_archive(
+    params: dict[str, tuple[tuple[int, ...], np.dtype]], weight, path: Path
+) -> dict[str, int]:
+    """Write at path an archive of every param, the float32 ones coded (each element's bits
+    CODE_BASE + its index among all coded elements), the others with their real bytes
+    (`weight(key)`); returns {coded key: first code index}. Written a chunk at a time, so the
+    SD 1.5-size UNet's 7.8 GB of coded inputs never sit in memory."""
+    import os
+
+    import iree.runtime as rt
+
+    from .pages import _pwrite
+
+    plan = rt.ParameterIndex()
     for key, (shape, dtype) in params.items():
-        if np.dtype(dtype) != np.float32:
-            continue
-        n = int(np.prod(shape, dtype=np.int64))
-        if CODE_BASE + at + n >= CODE_END:
-            break  # out of codes: the rest keep their values (and stay unverified)
-        arrays[key] = (
-            (np.arange(n, dtype=np.uint32) + np.uint32(CODE_BASE + at))
-            .view(np.float32)
-            .reshape(shape)
-        )
-        bases[key] = at
-        at += n
-    return arrays, bases
+        n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        plan.add_buffer(key, np.zeros(n, np.uint8))  # never touched: costs no memory
+    written = plan.create_archive_file(str(path))
+    offsets = {k: int(e.file_storage[1]) for k, e in written.items()}
+    del written, plan
+    bases: dict[str, int] = {}
+    at, coding = 0, True
+    chunk = 1 << 22  # elements
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for key, (shape, dtype) in params.items():
+            n = int(np.prod(shape, dtype=np.int64))
+            # out of codes: the rest keep their values (and stay unverified)
+            coding = coding and CODE_BASE + at + n < CODE_END
+            if np.dtype(dtype) == np.float32 and coding:
+                for i in range(0, n, chunk):
+                    codes = np.arange(i, min(n, i + chunk), dtype=np.uint32)
+                    codes += np.uint32(CODE_BASE + at)
+                    _pwrite(fd, codes.view(np.uint8), offsets[key] + 4 * i)
+                bases[key] = at
+                at += n
+            else:
+                w = np.ascontiguousarray(weight(key)).reshape(-1).view(np.uint8)
+                _pwrite(fd, w, offsets[key])
+    finally:
+        os.close(fd)
+    return bases
 
 
 class _Decoder:
@@ -259,17 +282,25 @@ def _check(region: Region, E: np.ndarray) -> bool:
 
 
 def learn_entry(
-    coded: np.ndarray, decoder: _Decoder, shapes: dict[str, tuple[int, ...]], itemsize: int = 4
+    coded: np.ndarray,
+    decoder: _Decoder,
+    shapes: dict[str, tuple[int, ...]],
+    itemsize: int = 4,
+    release=None,
 ):
-    """(regions, failed params, unexplained byte spans) of one coded output entry (uint8)."""
+    """(regions, failed params, unexplained byte spans) of one coded output entry (uint8),
+    read front to back; release(coded, start, end), if given, is told the bytes behind."""
     words = coded[: len(coded) // 4 * 4].view(np.uint32)
     n = len(words)
     regions: list[Region] = []
     failed: set[str] = set()
     other: list[tuple[int, int]] = []
-    pos = 0
+    pos = released = 0
     chunk = 1 << 16
     while pos < n:
+        if release is not None and pos - released >= 1 << 24:
+            release(coded, released * 4, pos * 4)
+            released = pos
         # the next coded word
         j = None
         while pos < n:
@@ -343,58 +374,80 @@ def learn(
     """Learn the layout of encoder_vmfb's output for the params {key: (shape, dtype)} of
     in_scope, and verify it against `encoded` (the archive it wrote from the real weights,
     `weight(key)`; `derived` keys are recomputed in numpy, so compared to 1e-5). `work`: a
-    temp file path for the coded output (removed)."""
+    temp path (removed) for the coded inputs and output.
+
+    Memory: where the driver moves parameters through files (cpu) the coded inputs are read
+    and the coded output written through file handles, and every mapping is read once with
+    the pages behind the reader dropped (pages.release_pages), so the SD 1.5-size UNet learns
+    in a few GB instead of its 7.8 GB of inputs plus the 11.5 GB output."""
     import contextlib
-    import os
 
-    import iree.runtime as rt
-
-    from .encoder import run_encoder
+    from ..session import parameter_providers, read_parameter_providers
+    from .encoder import file_io, run_encoder
     from .pages import entry_views, zeroed_like
 
-    arrays, bases = coded_inputs(params)
-    index = rt.ParameterIndex()
-    keep = []
-    for key in params:
-        a = arrays.get(key)
-        if a is None:
-            a = np.ascontiguousarray(weight(key))
-            keep.append(a)
-        index.add_buffer(key, a.reshape(-1).view(np.uint8))
+    coded_in = work.with_name(work.name + ".in")
     try:
-        sources = [index.create_provider(scope=in_scope)]
-        # Where the compiled archive is paged its layout is reused: the coded output takes
-        # the distinct pages only (6.7 GB instead of 11.5 for SD 1.5's UNet), each packed
-        # copy written through both places; every region is still checked on both.
-        if zeroed_like(encoded, work):
-            run_encoder(
-                encoder_vmfb, sources, out_scope, None, device, into=entry_views(work, write=True)
-            )
+        bases = write_coded_archive(params, weight, coded_in)
+        inputs = [(in_scope, coded_in)]
+        if file_io(device):
+            # the output raw through a file handle (11.5 GB of disk for SD 1.5, never mapped)
+            with read_parameter_providers(inputs) as sources:
+                run_encoder(encoder_vmfb, sources, out_scope, work, device)
+                del sources
         else:
-            run_encoder(encoder_vmfb, sources, out_scope, work, device)
-        del index, arrays, keep, sources
-        coded_views = entry_views(work)
-        real_views = entry_views(encoded)
+            # Where the compiled archive is paged its layout is reused: the coded output takes
+            # the distinct pages only, each packed copy written through both places; every
+            # region is still checked on both.
+            sources = parameter_providers(inputs)
+            if zeroed_like(encoded, work):
+                into = entry_views(work, write=True)
+                run_encoder(encoder_vmfb, sources, out_scope, None, device, into=into)
+                del into
+            else:
+                run_encoder(encoder_vmfb, sources, out_scope, work, device)
+            del sources
+        coded_in.unlink()
         shapes = {k: tuple(s) for k, (s, _) in params.items()}
-        decoder = _Decoder(bases, shapes)
-        layout = Layout(complete=set(coded_views) == set(real_views))
-        layout.unverified |= set(params) - set(bases)
-        for entry, coded in coded_views.items():
-            real = real_views.get(entry)
-            regions, failed, _ = learn_entry(coded, decoder, shapes)
-            layout.unverified |= failed
-            good = []
-            for r in regions:
-                if real is None or not _matches(r, weight(r.param), real, r.param in derived):
-                    layout.unverified.add(r.param)
-                good.append(r)
-            layout.entries[entry] = good
-            if real is None or not _rest_equal(good, coded, real):
-                layout.complete = False
-        return layout
+        return _analyse(entry_views(work), entry_views(encoded), params, bases, shapes, weight,
+                        derived)  # fmt: skip
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(work)
+        for p in (coded_in, work):
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
+def _analyse(coded_views, real_views, params, bases, shapes, weight, derived) -> Layout:
+    """The layout of the coded output's entries, each region checked on the real output;
+    each mapping read front to back with what is behind dropped (pages.release_pages)."""
+    from .pages import release_pages
+
+    decoder = _Decoder(bases, shapes)
+    layout = Layout(complete=set(coded_views) == set(real_views))
+    layout.unverified |= set(params) - set(bases)
+    for entry, coded in coded_views.items():
+        real = real_views.get(entry)
+        regions, failed, _ = learn_entry(coded, decoder, shapes, release=release_pages)
+        layout.unverified |= failed
+        by_param: dict[str, list[Region]] = {}
+        for r in regions:
+            by_param.setdefault(r.param, []).append(r)
+        for param, rs in by_param.items():
+            w = weight(param)  # once per weight (a derived one is computed)
+            for r in rs:
+                if real is None or not _matches(r, w, real, param in derived):
+                    layout.unverified.add(param)
+                if real is not None:
+                    release_pages(real, r.offset, r.offset + r.size() * 4)
+            release_pages(w)
+            del w
+        layout.entries[entry] = regions
+        if real is None or not _rest_equal(regions, coded, real):
+            layout.complete = False
+        release_pages(coded)
+        if real is not None:
+            release_pages(real)
+    return layout
 
 
 def _matches(region: Region, w: np.ndarray, real: np.ndarray, approx: bool) -> bool:
@@ -412,16 +465,27 @@ def _matches(region: Region, w: np.ndarray, real: np.ndarray, approx: bool) -> b
 
 def _rest_equal(regions: list[Region], coded: np.ndarray, real: np.ndarray) -> bool:
     """Whether every byte outside the regions is the same in the coded and the real output:
-    nothing there depends on the coded weights."""
+    nothing there depends on the coded weights. Compared a chunk at a time, the pages behind
+    dropped."""
+    from .pages import release_pages
+
     if len(coded) != len(real):
         return False
-    at = 0
+    gaps, at = [], 0
     for r in sorted(regions, key=lambda r: r.offset):
-        end = r.offset + r.size() * 4
-        if r.offset > at and not np.array_equal(coded[at : r.offset], real[at : r.offset]):
-            return False
-        at = max(at, end)
-    return bool(np.array_equal(coded[at:], real[at:]))
+        if r.offset > at:
+            gaps.append((at, r.offset))
+        at = max(at, r.offset + r.size() * 4)
+    gaps.append((at, len(coded)))
+    chunk = 1 << 26
+    for a, b in gaps:
+        for c in range(a, b, chunk):
+            d = min(b, c + chunk)
+            if not np.array_equal(coded[c:d], real[c:d]):
+                return False
+            release_pages(coded, c, d)
+            release_pages(real, c, d)
+    return True
 
 
 def repack(layout: Layout, views: dict[str, np.ndarray], weights: dict[str, np.ndarray]) -> int:

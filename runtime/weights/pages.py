@@ -358,6 +358,7 @@ def _libc():
             ctypes.c_int64,
         ]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     except (OSError, AttributeError):
         return None
     return libc
@@ -398,6 +399,35 @@ def _assemble(
     view = np.frombuffer(buf, np.uint8)
     view.flags.writeable = private or write
     return view
+
+
+_MADV_DONTNEED = 4  # Linux
+
+
+def mapped_from_file(view: np.ndarray) -> bool:
+    """Whether view's bytes are a file mapping (np.memmap, or a paged entry's mapped runs),
+    not memory of its own: only then can release_pages drop them without losing data."""
+    while view is not None:
+        if isinstance(view, np.memmap) or getattr(view, "_region", None) is not None:
+            return True
+        view = getattr(view, "base", None)
+    return False
+
+
+def release_pages(view: np.ndarray, start: int = 0, end: int | None = None) -> None:
+    """Drop from this process the whole pages of bytes [start, end) of view, a read-only file
+    mapping (mapped_from_file): they stay in the page cache and are read back if touched again.
+    A one-pass reader of a many-GB mapping so keeps only what it is reading in its RSS. Does
+    nothing for views of memory (that would zero them) or where madvise is unavailable."""
+    libc = _libc()
+    if libc is None or not sys.platform.startswith("linux") or not mapped_from_file(view):
+        return
+    end = view.nbytes if end is None else min(end, view.nbytes)
+    base = view.ctypes.data
+    a = _round_up(base + max(start, 0), mmap.PAGESIZE)
+    b = (base + end) // mmap.PAGESIZE * mmap.PAGESIZE
+    if b > a:
+        libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), _MADV_DONTNEED)
 
 
 def store_encoded(raw: Path, out: Path) -> PagedStats | None:

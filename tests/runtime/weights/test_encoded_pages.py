@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -118,3 +119,23 @@ def test_a_layout_from_another_format_is_refused(tmp_path, page):
     index.create_archive_file(str(tmp_path / "a.irpa"))
     with pytest.raises(ValueError, match="format"):
         pages.load_archive(rt.ParameterIndex(), tmp_path / "a.irpa")
+
+
+def test_released_file_pages_leave_rss_and_read_back_and_memory_is_never_dropped(tmp_path):
+    path = tmp_path / "f.bin"
+    data = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8)
+    data.tofile(path)
+    mapped = np.memmap(path, np.uint8, mode="r")
+
+    def rss_file_kb():
+        status = Path("/proc/self/status").read_text()
+        return int(next(x for x in status.splitlines() if x.startswith("RssFile:")).split()[1])
+
+    assert int(mapped[::4096].astype(np.int64).sum()) >= 0  # touch every page
+    before = rss_file_kb()
+    pages.release_pages(mapped[4096:])  # a view's pages: the first page stays
+    assert before - rss_file_kb() > 48 << 10  # most of the 64 MiB left this process
+    np.testing.assert_array_equal(mapped, data)  # and reads back the same
+    memory = data.copy()
+    pages.release_pages(memory)  # not a file mapping: nothing may be dropped
+    np.testing.assert_array_equal(memory, data)
