@@ -48,6 +48,7 @@ from sdiree.runtime.fileutil import (
     sha256_json,
     temp_path_for,
 )
+from sdiree.runtime.lora.keys import LORA_COMPONENTS
 from sdiree.runtime.manifest import HASH_CACHE, MANIFEST_NAME, check_files, load_manifest
 from sdiree.runtime.weights.sources import file_sha256
 
@@ -148,9 +149,13 @@ class Builder:
             from .weight_source import WeightSource
 
             with self.r.stage("load", component):
-                model = self.plan.model.load(component)
+                import torch
+
+                replaced = component == "vae" and self.plan.vae_file is not None
+                # --vae's weights are loaded into the model: in float32, never rounded
+                model = self.plan.model.load(component, torch.float32 if replaced else None)
                 folder = self.plan.model.path / component
-                if component == "vae" and self.plan.vae_file is not None:
+                if replaced:
                     _replace_vae(model, self.plan.vae_file)
                     folder = None  # the weights are --vae's, in memory
                 self._sources[component] = WeightSource.capture(model, folder)
@@ -413,17 +418,51 @@ class Builder:
         for archive in archives[1:]:
             for key, e in Archive(archive).entries.items():
                 derived[key] = {"shape": list(e.shape), "dtype": e.dtype.name}
+        enc = {
+            "vmfb": encoder.name,
+            "sha256": sha256_file(encoder),
+            "derived": derived,
+        }
+        if submodule in LORA_COMPONENTS:  # what a LoRA re-packs in numpy (weights/repack.py)
+            layout = out / f"{submodule}.layout.json"
+            with self.r.stage("layout", submodule):
+                self.learn_layout(submodule, encoder, archives, derived, encoded, scope, layout)
+            if layout.is_file():
+                enc.update(layout=layout.name, layout_sha256=sha256_file(layout))
         return {
             "path": encoded.name,
             "scope": scope,
             "sha256": sha256_file(encoded),
             "needs_derived": needs_derived,
-            "encoder": {
-                "vmfb": encoder.name,
-                "sha256": sha256_file(encoder),
-                "derived": derived,
-            },
+            "encoder": enc,
         }
+
+    def learn_layout(self, submodule, encoder, archives, derived, encoded, scope, layout):
+        """Learn how encoder packs each weight (weights/layout.py) and save it at layout, so a
+        LoRA is re-packed in numpy from its first use; nothing saved when it cannot be learned
+        (the runtime then runs the encoder)."""
+        import iree.runtime as rt
+
+        from sdiree.runtime.weights.repack import learn_layout
+
+        from .exporters import scope_for
+
+        device = rt.get_driver(self.plan.target.driver).create_default_device()
+        learned = learn_layout(
+            encoder,
+            archives[:1],
+            {k: (v["shape"], v["dtype"]) for k, v in derived.items()},
+            encoded,
+            scope_for(submodule),
+            scope,
+            device,
+            temp_path_for(layout.with_suffix(".irpa")),
+            derived_archives=archives[1:],
+        )
+        if learned is None:
+            layout.unlink(missing_ok=True)
+        else:
+            learned.save(layout)
 
 
 def _replace_vae(model, path: Path) -> None:
@@ -443,7 +482,10 @@ def _encoder_intact(b: Builder, encoded: dict | None) -> bool:
     if not encoded:
         return True
     enc = encoded.get("encoder")
-    return bool(enc) and b.intact(b.plan.out / enc["vmfb"], enc["sha256"])
+    if not (enc and b.intact(b.plan.out / enc["vmfb"], enc["sha256"])):
+        return False
+    layout = enc.get("layout")  # builds before layouts were learned at compile: none
+    return layout is None or b.intact(b.plan.out / layout, enc["layout_sha256"])
 
 
 def compile_model(opts: CompileOptions, reporter: Reporter | None = None) -> Path:

@@ -102,6 +102,9 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
                 "scope": enc["scope"],
                 "derived": enc["encoder"]["derived"],
             }
+            if enc["encoder"].get("layout"):
+                encoder["layout"] = enc["encoder"]["layout"]
+                files[enc["encoder"]["layout"]] = enc["encoder"]["layout_sha256"]
         for rel, sha, _ in archives:
             files[rel] = sha
         submodules[sub] = {

@@ -98,7 +98,7 @@ def _torch_reference(model_dir: Path, manifest: Manifest):
         decl = next(iter(manifest.submodules[submodule].functions.values()))
         rounding = any(t.dtype == "float16" for t in decl.inputs)
         if (name, rounding) not in cache:
-            m = model.load(name).eval()
+            m = model.load(name, torch.float32).eval()  # the reference computes in fp32
             if rounding:
                 m = m.half().float()
             cache[name, rounding] = m

@@ -31,6 +31,8 @@ from .fileutil import (
 # `encoder` ({vmfb, scope, derived}): the parameter encoder kept to encode other weights.
 # 4: an encoded archive may be paged (each distinct page once, sdiree.runtime.weights.pages;
 # its `extra_parameters` entry says `"layout": "pages"`), which older readers cannot load.
+# A 4's `encoder` may name its `layout` (a JSON file, sdiree.runtime.weights.layout: how it
+# packs each weight, learned at compile); readers that do not know it learn it at first use.
 # Versions 1 to 3 are still read (the runtime tells the layouts apart by content).
 SCHEMA_VERSION = 4
 READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
@@ -66,6 +68,7 @@ class EncoderDecl:
     vmfb: str
     scope: str
     derived: dict[str, tuple[tuple[int, ...], str]]
+    layout: str | None = None  # how it packs each weight (weights/layout.py), learned at compile
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,13 @@ def _encoder_decl(root: Path, e) -> EncoderDecl | None:
         str(k): (tuple(int(x) for x in v["shape"]), str(v["dtype"]))
         for k, v in e["derived"].items()
     }
-    return EncoderDecl(_check_inside(root, e["vmfb"]), str(e["scope"]), derived)
+    layout = e.get("layout")
+    return EncoderDecl(
+        _check_inside(root, e["vmfb"]),
+        str(e["scope"]),
+        derived,
+        None if layout is None else _check_inside(root, layout),
+    )
 
 
 def parse_manifest(root: Path, data) -> Manifest:

@@ -73,6 +73,7 @@ KOHYA_PREFIXES = {
     "lora_te2_": "text_encoder_2",
 }
 DOTTED_PREFIXES = ("unet", "text_encoder", "text_encoder_2")
+LORA_COMPONENTS = frozenset(KOHYA_PREFIXES.values()) | frozenset(DOTTED_PREFIXES)  # submodules
 
 # diffusers' attention-processor spellings: (pattern, replacement in the UNet, in a text encoder)
 _OLD_ATTN = (

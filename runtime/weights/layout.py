@@ -386,7 +386,7 @@ def learn(
     from .encoder import file_io, run_encoder
     from .pages import entry_views, zeroed_like
 
-    coded_in = work.with_name(work.name + ".in")
+    coded_in = work.with_name(f".in-{work.name.lstrip('.')}")  # still a temp's name
     try:
         bases = write_coded_archive(params, weight, coded_in)
         inputs = [(in_scope, coded_in)]

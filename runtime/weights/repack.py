@@ -4,9 +4,10 @@ The submodule's encoded archive as compiled is mapped copy-on-write, and only th
 copies of the replaced tensors (and of the Winograd weights derived from replaced 3x3 convs)
 are written over it, re-packed in numpy by the encoder's learned layout (`layout`): the pages
 they touch become private memory, the rest stays the artifact's file. The layout is learned
-once per artifact (one encoder run on coded weights, about as long as one re-encode) and kept
-in the user cache; where it is not complete or a replaced tensor's layout did not verify, the
-caller runs the encoder instead.
+at compile (one encoder run on coded weights, `<submodule>.layout.json` in the artifact) for
+the submodules a LoRA changes; artifacts compiled before learn it at their first LoRA and keep
+it in the user cache. Where it is not complete or a replaced tensor's layout did not verify,
+the caller runs the encoder instead.
 """
 
 from __future__ import annotations
@@ -36,11 +37,14 @@ def _encoded_path(manifest, sub) -> Path | None:
 
 
 def layout_for(manifest, name: str, device, report: Callable[[str], None]) -> Layout | None:
-    """The learned layout of submodule name's encoder: from the cache, else learned now."""
+    """The learned layout of submodule name's encoder: the artifact's own (learned at
+    compile), else from the user cache, else learned now (artifacts compiled before)."""
     sub = manifest.submodules[name]
     encoded = _encoded_path(manifest, sub)
     if sub.encoder is None or encoded is None:
         return None
+    if sub.encoder.layout is not None:
+        return Layout.load(manifest.path(sub.encoder.layout))
     files = manifest.data.get("files", {})
     rel = next(p for p, s in sub.archives() if s == sub.encoder.scope)
     key = sha256_json({"encoder": files.get(sub.encoder.vmfb), "encoded": files.get(rel)})[:24]
@@ -48,37 +52,23 @@ def layout_for(manifest, name: str, device, report: Callable[[str], None]) -> La
     layout = Layout.load(cache) if cache.is_file() else None
     if layout is not None:
         return layout
-    own = [Archive(manifest.path(p)) for p, s in sub.archives() if s == sub.scope]
-    params: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
-    for a in own:
-        for k, e in a.entries.items():
-            if e.dtype is None or e.shape is None:
-                return None
-            params[k] = (e.shape, e.dtype)
-    for k, (shape, dtype) in sub.encoder.derived.items():
-        params[k] = (shape, np.dtype(dtype))
-
-    def weight(k: str) -> np.ndarray:
-        for a in own:
-            if k in a.entries:
-                return a.array(k)
-        return winograd_weight(weight(base_key(k)), params[k][0][0])
-
+    own = [manifest.path(p) for p, s in sub.archives() if s == sub.scope]
     report(f"{name}: learning how the encoder packs its weights (once per artifact)")
     t0 = time.perf_counter()
     cache.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(cache.parent)
-    layout = learn(
+    layout = learn_layout(
         manifest.path(sub.encoder.vmfb),
-        sub.scope,
-        params,
-        weight,
-        set(sub.encoder.derived),
+        own,
+        sub.encoder.derived,
         encoded,
+        sub.scope,
         sub.encoder.scope,
         device,
         temp_path_for(cache.with_suffix(".irpa")),
     )
+    if layout is None:
+        return None
     layout.save(cache)
     report(
         f"{name}: layout learned in {time.perf_counter() - t0:.1f}s "
@@ -86,6 +76,41 @@ def layout_for(manifest, name: str, device, report: Callable[[str], None]) -> La
         f"{len(layout.unverified)} weights not verified)"
     )
     return layout
+
+
+def learn_layout(
+    encoder_vmfb: Path,
+    own: list[Path],
+    derived: dict[str, tuple[tuple[int, ...], str]],
+    encoded: Path,
+    in_scope: str,
+    out_scope: str,
+    device,
+    work: Path,
+    derived_archives: list[Path] = (),
+) -> Layout | None:
+    """layout.learn over a submodule's weights (its archives `own`) and the `derived` ones
+    ({key: (shape, dtype)}), read from derived_archives where given (compile), else computed
+    from their base weights (run time). None when an archive lacks shapes."""
+    archives = [Archive(p) for p in own]
+    derived_from = [Archive(p) for p in derived_archives]
+    params: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    for a in archives:
+        for k, e in a.entries.items():
+            if e.dtype is None or e.shape is None:
+                return None
+            params[k] = (e.shape, e.dtype)
+    for k, (shape, dtype) in derived.items():
+        params[k] = (tuple(shape), np.dtype(dtype))
+
+    def weight(k: str) -> np.ndarray:
+        for a in (*archives, *derived_from):
+            if k in a.entries:
+                return a.array(k)
+        return winograd_weight(weight(base_key(k)), params[k][0][0])
+
+    return learn(encoder_vmfb, in_scope, params, weight, set(derived), encoded, out_scope, device,
+                 work)  # fmt: skip
 
 
 def repacked_index(

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from sdiree.compile.driver import CompileOptions, compile_model
 from sdiree.compile.report import Reporter
+from sdiree.runtime.lora.keys import LORA_COMPONENTS
 from sdiree.runtime.manifest import check_files, load_manifest
 from sdiree.runtime.targets import default_specs_dir
 
@@ -44,8 +45,9 @@ def test_recompile_is_a_noop(compiled):
 
 def recompiled(submodule: str) -> set:
     """The stages a cpu flag or spec change reruns: the compile and, since the weights' repack
-    depends on it, the parameter encoder."""
-    return {("compile", submodule), ("encode", submodule)}
+    depends on it, the parameter encoder and (for what a LoRA changes) learning its layout."""
+    layout = {("layout", submodule)} if submodule in LORA_COMPONENTS else set()
+    return {("compile", submodule), ("encode", submodule), *layout}
 
 
 def _specs_copy(tmp_path) -> Path:

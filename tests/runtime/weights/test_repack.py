@@ -9,6 +9,9 @@ makes, bit for bit, and a weight whose layout did not verify sends the run to th
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 
 from sdiree.runtime.device_select import choose_device
@@ -17,7 +20,7 @@ from sdiree.runtime.pipeline import GenerationRequest, Text2Image, resolve_reque
 from sdiree.runtime.session import Session
 from sdiree.runtime.weights import repack
 from sdiree.runtime.weights.archive import Archive
-from sdiree.runtime.weights.layout import CODE_BASE, Region, _Decoder, learn_entry
+from sdiree.runtime.weights.layout import CODE_BASE, Layout, Region, _Decoder, learn_entry
 from sdiree.runtime.weights.overrides import WeightOverrides
 
 
@@ -77,14 +80,43 @@ def test_a_lora_repacked_in_numpy_makes_the_encoder_paths_image(
     monkeypatch.setenv(repack.REPACK_ENV, "1")
     fast = _image(art, lora)
     err = capsys.readouterr().err
-    assert "learning how the encoder packs" in err and "(complete, 0 weights not" in err
+    assert "learning" not in err  # the layout was learned at compile
     assert "unet: re-packed" in err and "unet: encoding" not in err
     np.testing.assert_array_equal(fast, encoded)
     assert np.abs(fast - _image(art, None)).max() > 1e-3  # the change shows
-    again = _image(art, lora)  # the layout now comes from the cache
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # nothing written
+
+
+def test_the_compile_learns_each_lora_submodules_layout_and_the_runtime_the_same(
+    compiled, monkeypatch, tmp_path, capsys
+):
+    """An artifact from before layouts were learned at compile (none in its manifest) learns
+    the same layout at its first LoRA, once, into the user cache."""
+    art = compiled.get("cpu", "host", "fp32")
+    m = load_manifest(art)
+    for name in ("text_encoder", "unet"):
+        layout = Layout.load(m.path(m.submodules[name].encoder.layout))
+        assert layout is not None and layout.complete and not layout.unverified, name
+    assert all(m.submodules[n].encoder.layout is None for n in ("vae_decoder", "vae_encoder"))
+    old = tmp_path / "old"
+    shutil.copytree(art, old)
+    data = json.loads((old / "manifest.json").read_text())
+    for sub in data["submodules"].values():
+        if sub.get("encoder", {}).pop("layout", None):
+            data["files"].pop(f"{sub['vmfb'][: -len('.vmfb')]}.layout.json")
+    (old / "manifest.json").write_text(json.dumps(data))
+    monkeypatch.setenv("SDIREE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(repack.SHARE_ENV, "1")
+    lora = _lora_like(art)
+    fast = _image(old, lora)
+    err = capsys.readouterr().err
+    assert "unet: learning how the encoder packs" in err and "(complete, 0 weights not" in err
+    learned = next((tmp_path / "cache" / repack.LAYOUT_CACHE).glob("unet-*.json"))
+    assert Layout.load(learned).entries == Layout.load(art / "unet.layout.json").entries
+    again = _image(old, lora)  # the layout now comes from the cache
     assert "learning" not in capsys.readouterr().err
     np.testing.assert_array_equal(again, fast)
-    assert not list((tmp_path / "cache").rglob("*.irpa"))  # nothing re-encoded on disk
+    np.testing.assert_array_equal(fast, _image(art, lora))
 
 
 def test_a_weight_whose_layout_did_not_verify_goes_through_the_encoder(
