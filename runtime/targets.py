@@ -188,7 +188,16 @@ def _cpu_features(value) -> tuple[str, ...] | str:
 # The fields targets.json may hold (specs/README.md explains them), with their JSON types.
 # Keys that start with "_" are comments. "flag_map": {name: [strings]}; "str_map": {name: string};
 # "obj_map": {name: object}.
-SUBMODULE_NAMES = ("text_encoder", "unet", "vae_decoder", "vae_encoder")
+def submodule_names() -> tuple[str, ...]:
+    """Every submodule some family compiles (specs/families.json), in registry order."""
+    from .families import load_families
+
+    names: dict[str, None] = {}
+    for fam in load_families().families.values():
+        names.update(dict.fromkeys(fam.submodules or {}))
+    return tuple(names)
+
+
 TOP_FIELDS = {"schema_version": "int", "targets": "obj_map"}
 TARGET_FIELDS = {
     "description": "str",
@@ -316,6 +325,7 @@ def check_registry(data: dict, path: Path) -> None:
     c.fields(data, TOP_FIELDS, ("targets",), "")
     if not data["targets"]:
         c.fail("targets", "is empty")
+    submodules = submodule_names()
     for name, t in data["targets"].items():
         w = f"targets.{name}"
         c.fields(t, TARGET_FIELDS, ("driver", "default_dtype", "default_arch", "arches"), w)
@@ -330,19 +340,17 @@ def check_registry(data: dict, path: Path) -> None:
         c.names(t.get("refused_dtypes", {}), dtypes, f"{w}.refused_dtypes", "dtype")
         c.names(t.get("dtype_options", {}), dtypes, f"{w}.dtype_options", "dtype")
         for key in ("submodule_flags", "submodule_export"):
-            c.names(t.get(key, {}), SUBMODULE_NAMES, f"{w}.{key}", "submodule")
+            c.names(t.get(key, {}), submodules, f"{w}.{key}", "submodule")
         c.export(t.get("export", {}), f"{w}.export", unet=False)
         for sub, choices in t.get("submodule_export", {}).items():
             c.export(choices, f"{w}.submodule_export.{sub}", unet=sub == "unet")
-        c.names(
-            t.get("tuning_specs", {}), [*SUBMODULE_NAMES, "*"], f"{w}.tuning_specs", "submodule"
-        )
+        c.names(t.get("tuning_specs", {}), [*submodules, "*"], f"{w}.tuning_specs", "submodule")
         for d, opt in t.get("dtype_options", {}).items():
             wd = f"{w}.dtype_options.{d}"
             c.fields(opt, DTYPE_OPTION_FIELDS, ("export_dtype",), wd)
             c.names([opt["export_dtype"]], DTYPES, f"{wd}.export_dtype", "dtype")
-            c.names(opt.get("submodule_flags", {}), SUBMODULE_NAMES, wd, "submodule")
-            c.names(opt.get("submodule_export", {}), SUBMODULE_NAMES, wd, "submodule")
+            c.names(opt.get("submodule_flags", {}), submodules, wd, "submodule")
+            c.names(opt.get("submodule_export", {}), submodules, wd, "submodule")
             for sub, choices in opt.get("submodule_export", {}).items():
                 at = f"{wd}.submodule_export.{sub}"
                 c.export(choices, at, unet=sub == "unet", nullable=True)

@@ -117,3 +117,26 @@ def test_killed_compile_leaves_no_manifest_and_resumes(compiled):
     assert ("compile", "unet") in ran
     assert not [p for p in out.iterdir() if ".tmp" in p.name], "stale temp files left behind"
     check_files(load_manifest(out))
+
+
+def test_sdxl_recompile_is_a_noop_and_a_flag_change_recompiles_only_its_submodule(
+    compiled_sdxl, tmp_path
+):
+    base = compiled_sdxl.get("cpu", "host", "fp32")
+    ran, log = recompile(compiled_sdxl.model, base)
+    assert "up to date" in log and ran <= {("hash", "model")}
+    out = base.parent / "cpu-sdxl-flag-change"
+    shutil.copytree(base, out)
+    specs = _specs_copy(tmp_path)
+    reg = json.loads((specs / "targets.json").read_text())
+    reg["targets"]["cpu"]["submodule_flags"]["text_encoder_2"] = [
+        "--iree-opt-strip-assertions=true"
+    ]
+    (specs / "targets.json").write_text(json.dumps(reg))
+    ran, _ = recompile(compiled_sdxl.model, out, specs)
+    assert ran - {("hash", "model")} == recompiled("text_encoder_2")
+    m = load_manifest(out)
+    check_files(m)
+    assert "--iree-opt-strip-assertions=true" in m.data["submodules"]["text_encoder_2"]["flags"]
+    assert "--iree-opt-strip-assertions=true" not in m.data["submodules"]["text_encoder"]["flags"]
+    assert m.family == load_manifest(base).family == "sdxl"
