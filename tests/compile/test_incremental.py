@@ -56,21 +56,27 @@ def _specs_copy(tmp_path) -> Path:
     return specs
 
 
+def _flag_change_recompiles_only(model, out, tmp_path, submodule: str, other: str):
+    """Give submodule a cpu flag in a specs copy and recompile out: only submodule's stages run,
+    and only its manifest entry has the flag (other's has not). Returns (specs, registry)."""
+    specs = _specs_copy(tmp_path)
+    reg = json.loads((specs / "targets.json").read_text())
+    reg["targets"]["cpu"]["submodule_flags"][submodule] = ["--iree-opt-strip-assertions=true"]
+    (specs / "targets.json").write_text(json.dumps(reg))
+    ran, _ = recompile(model, out, specs)
+    assert ran - {("hash", "model")} == recompiled(submodule)
+    m = load_manifest(out)
+    check_files(m)
+    assert "--iree-opt-strip-assertions=true" in m.data["submodules"][submodule]["flags"]
+    assert "--iree-opt-strip-assertions=true" not in m.data["submodules"][other]["flags"]
+    return specs, reg
+
+
 def test_changed_flag_or_spec_recompiles_only_what_it_touches(compiled, tmp_path):
     base = compiled.get("cpu", "host", "fp32")
     out = base.parent / "cpu-flag-change"
     shutil.copytree(base, out)
-    specs = _specs_copy(tmp_path)
-    reg = json.loads((specs / "targets.json").read_text())
-    reg["targets"]["cpu"]["submodule_flags"]["vae_decoder"] = ["--iree-opt-strip-assertions=true"]
-    (specs / "targets.json").write_text(json.dumps(reg))
-
-    ran, _ = recompile(compiled.model, out, specs)
-    assert ran - {("hash", "model")} == recompiled("vae_decoder")
-    m = load_manifest(out)
-    check_files(m)
-    assert "--iree-opt-strip-assertions=true" in m.data["submodules"]["vae_decoder"]["flags"]
-    assert "--iree-opt-strip-assertions=true" not in m.data["submodules"]["unet"]["flags"]
+    specs, reg = _flag_change_recompiles_only(compiled.model, out, tmp_path, "vae_decoder", "unet")
 
     # A tuning spec for the text encoder only, then a change to that spec.
     (specs / "tuning").mkdir(exist_ok=True)
@@ -127,16 +133,7 @@ def test_sdxl_recompile_is_a_noop_and_a_flag_change_recompiles_only_its_submodul
     assert "up to date" in log and ran <= {("hash", "model")}
     out = base.parent / "cpu-sdxl-flag-change"
     shutil.copytree(base, out)
-    specs = _specs_copy(tmp_path)
-    reg = json.loads((specs / "targets.json").read_text())
-    reg["targets"]["cpu"]["submodule_flags"]["text_encoder_2"] = [
-        "--iree-opt-strip-assertions=true"
-    ]
-    (specs / "targets.json").write_text(json.dumps(reg))
-    ran, _ = recompile(compiled_sdxl.model, out, specs)
-    assert ran - {("hash", "model")} == recompiled("text_encoder_2")
-    m = load_manifest(out)
-    check_files(m)
-    assert "--iree-opt-strip-assertions=true" in m.data["submodules"]["text_encoder_2"]["flags"]
-    assert "--iree-opt-strip-assertions=true" not in m.data["submodules"]["text_encoder"]["flags"]
-    assert m.family == load_manifest(base).family == "sdxl"
+    _flag_change_recompiles_only(
+        compiled_sdxl.model, out, tmp_path, "text_encoder_2", "text_encoder"
+    )
+    assert load_manifest(out).family == load_manifest(base).family == "sdxl"
