@@ -106,18 +106,34 @@ SDXL_TESTS = (
 # The tiny SD 1.x compiled for more image sizes (`--sizes`), for tests/compile/test_compile_sizes.py.
 SIZES = ((64, 48), (40, 64), (40, 40))  # (height, width) px, besides the main 64x64
 SIZES_AHEAD = (("cpu", "host", "fp32"), ("vulkan-spirv", "lavapipe", "fp32"))
+# The tiny SD 2.x's and inpainting model's artifacts, queued last (a test that gets there first
+# compiles its own while the background works on the next).
+SD2_AHEAD = (
+    ("cpu", "host", "fp32"),
+    ("vulkan-spirv", "lavapipe", "fp32"),
+    ("rocm", "gfx942", "fp16"),
+    ("cuda", "sm_80", "fp16"),
+)
+SD2_TESTS = ("tests/compile/test_sd2_targets.py", "tests/runtime/test_sd2_parity.py")
+INPAINT_AHEAD = (("cpu", "host", "fp32"), ("vulkan-spirv", "lavapipe", "fp32"))
+INPAINT_TESTS = ("tests/runtime/test_inpaint.py",)
 _ahead_wanted = False
 _sdxl_ahead_wanted = False
 _sizes_ahead_wanted = False
+_sd2_ahead_wanted = False
+_inpaint_ahead_wanted = False
 
 
 def pytest_collection_modifyitems(items):
     global _ahead_wanted, _sdxl_ahead_wanted, _sizes_ahead_wanted
+    global _sd2_ahead_wanted, _inpaint_ahead_wanted
     _ahead_wanted = any(i.nodeid.startswith("tests/compile/test_compile_targets.py") for i in items)
     _sdxl_ahead_wanted = any(i.nodeid.startswith(SDXL_TESTS) for i in items)
     _sizes_ahead_wanted = any(
         i.nodeid.startswith("tests/compile/test_compile_sizes.py") for i in items
     )
+    _sd2_ahead_wanted = any(i.nodeid.startswith(SD2_TESTS) for i in items)
+    _inpaint_ahead_wanted = any(i.nodeid.startswith(INPAINT_TESTS) for i in items)
 
 
 class AheadQueue:
@@ -247,17 +263,25 @@ def compiled(tiny_model, artifacts_root, request):
     artifacts = CompiledArtifacts(tiny_model, artifacts_root)
     if _ahead_wanted:
         artifacts.compile_ahead(AHEAD)
-    if _sdxl_ahead_wanted:  # queued now, behind SD 1.x's, rather than at the first SDXL test
-        request.getfixturevalue("compiled_sdxl")
+    # queued now, behind SD 1.x's, rather than at their first test
+    for wanted, fixture in (
+        (_sdxl_ahead_wanted, "compiled_sdxl"),
+        (_sd2_ahead_wanted, "compiled_sd2"),
+        (_inpaint_ahead_wanted, "compiled_inpaint"),
+    ):
+        if wanted:
+            request.getfixturevalue(fixture)
     yield artifacts
     artifacts.stop_ahead()
 
 
 @pytest.fixture(scope="session")
 def compiled_sd2(tiny_sd2_model, artifacts_root):
-    """The tiny SD 2.x model's artifacts, compiled on first use (no background queue: its
-    tests need few of them)."""
+    """The tiny SD 2.x model's artifacts: queued for the background compile when its tests
+    are collected (after SD 1.x's and SDXL's), else compiled on first use."""
     artifacts = CompiledArtifacts(tiny_sd2_model, artifacts_root)
+    if _sd2_ahead_wanted:
+        artifacts.compile_ahead(SD2_AHEAD)
     yield artifacts
     artifacts.stop_ahead()
 
@@ -286,7 +310,10 @@ def compiled_sizes(tiny_model, artifacts_root):
 
 @pytest.fixture(scope="session")
 def compiled_inpaint(tiny_inpaint_model, artifacts_root):
-    """The tiny inpainting model's artifacts, compiled on first use."""
+    """The tiny inpainting model's artifacts: queued for the background compile when its tests
+    are collected (last), else compiled on first use."""
     artifacts = CompiledArtifacts(tiny_inpaint_model, artifacts_root)
+    if _inpaint_ahead_wanted:
+        artifacts.compile_ahead(INPAINT_AHEAD)
     yield artifacts
     artifacts.stop_ahead()
