@@ -145,7 +145,7 @@ class Builder:
         export needs only their shapes, and the archives read the weights from the model's
         files one at a time (`weight_source`), so no stage holds them all."""
         if component not in self._torch_models:
-            from .placeholders import replace_parameters
+            from .placeholders import casts_stay_placeholders, replace_parameters
             from .weight_source import WeightSource
 
             with self.r.stage("load", component):
@@ -160,6 +160,10 @@ class Builder:
                     folder = None  # the weights are --vae's, in memory
                 self._sources[component] = WeightSource.capture(model, folder)
                 replace_parameters(model)
+                # float32, as the plan and export expect (they cast to the compile's dtype
+                # themselves): loaded in its files' dtype, the casts make placeholders only
+                with casts_stay_placeholders():
+                    model.to(torch.float32)
                 self._torch_models[component] = model
         return self._torch_models[component]
 
