@@ -179,6 +179,9 @@ class _Decoder:
 
     def decode(self, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(param index or -1, element index) per uint32 word; -1/-1 for zero (padding)."""
+        if len(self.starts) == 0:  # nothing was coded
+            none = np.full(len(words), -1, np.int64)
+            return none, none
         rel = words.astype(np.int64) - CODE_BASE
         p = np.searchsorted(self.starts, rel, side="right") - 1
         pc = np.clip(p, 0, len(self.starts) - 1)

@@ -91,7 +91,8 @@ def learn_layout(
 ) -> Layout | None:
     """layout.learn over a submodule's weights (its archives `own`) and the `derived` ones
     ({key: (shape, dtype)}), read from derived_archives where given (compile), else computed
-    from their base weights (run time). None when an archive lacks shapes."""
+    from their base weights (run time). None when an archive lacks shapes or no weight is
+    float32."""
     archives = [Archive(p) for p in own]
     derived_from = [Archive(p) for p in derived_archives]
     params: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
@@ -102,6 +103,8 @@ def learn_layout(
             params[k] = (e.shape, e.dtype)
     for k, (shape, dtype) in derived.items():
         params[k] = (tuple(shape), np.dtype(dtype))
+    if not any(np.dtype(d) == np.float32 for _, d in params.values()):
+        return None  # only float32 weights can be coded (an fp16 artifact runs the encoder)
 
     def weight(k: str) -> np.ndarray:
         for a in (*archives, *derived_from):
