@@ -49,9 +49,13 @@ exec sleep 120
 """
 
 # compile_mlir in a process of its own, with the stand-in tool; Ctrl-C ends it as the CLI does.
+# Python's Ctrl-C handler is set explicitly: a process started in a shell's background job
+# inherits SIGINT ignored and Python then installs none (a terminal's CLI always has it).
 HARNESS = """
+import signal
 import sys
 from pathlib import Path
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import sdiree.compile.iree_compile as ic
 ic.iree_compile_tool = lambda: sys.argv[1]
 d = Path(sys.argv[2])
