@@ -20,8 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from sdiree.runtime.fileutil import temp_path_for
-from sdiree.runtime.session import parameter_providers, read_parameter_providers
-from sdiree.runtime.weights.encoder import file_io
+from sdiree.runtime.session import parameter_providers
+from sdiree.runtime.weights.encoder import input_providers
 from sdiree.runtime.weights.encoder import run_encoder as _run_encoder
 from sdiree.runtime.weights.pages import store_encoded
 
@@ -49,12 +49,9 @@ def run_encoder(
     device = rt.get_driver(driver).create_default_device()
     raw = temp_path_for(out.with_name(f"{out.stem}.raw{out.suffix}"))
     try:
-        if file_io(device):
-            with read_parameter_providers(inputs) as sources:
-                count = _run_encoder(encoder_vmfb, sources, scope, raw, device)
-                del sources
-        else:
-            count = _run_encoder(encoder_vmfb, parameter_providers(inputs), scope, raw, device)
+        with input_providers(inputs, device) as sources:
+            count = _run_encoder(encoder_vmfb, sources, scope, raw, device)
+            del sources
         if count:
             store_encoded(raw, out)
     finally:

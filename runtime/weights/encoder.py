@@ -17,7 +17,9 @@ file handle on the output archive, laid out beforehand (or by arrays the caller 
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +42,20 @@ def file_io(device) -> bool:
     from ..device import CPU_DRIVERS
 
     return str(device).split(":")[0] in CPU_DRIVERS  # a HalDevice's str is its driver's id
+
+
+@contextlib.contextmanager
+def input_providers(archives: list[tuple[str, Path]], device) -> Iterator[list]:
+    """Parameter providers over an encoder's input archives [(scope, path)]: read through file
+    handles where device's driver can (file_io: they never enter the RSS), else mapped. Drop
+    them (and contexts over them) before the block ends."""
+    from ..session import parameter_providers, read_parameter_providers
+
+    if file_io(device):
+        with read_parameter_providers(archives) as providers:
+            yield providers
+    else:
+        yield parameter_providers(archives)
 
 
 def run_encoder(

@@ -385,25 +385,18 @@ def learn(
     in a few GB instead of its 7.8 GB of inputs plus the 11.5 GB output."""
     import contextlib
 
-    from ..session import parameter_providers, read_parameter_providers
-    from .encoder import file_io, run_encoder
+    from .encoder import file_io, input_providers, run_encoder
     from .pages import entry_views, zeroed_like
 
     coded_in = work.with_name(f".in-{work.name.lstrip('.')}")  # still a temp's name
     try:
         bases = write_coded_archive(params, weight, coded_in)
-        inputs = [(in_scope, coded_in)]
-        if file_io(device):
-            # the output raw through a file handle (11.5 GB of disk for SD 1.5, never mapped)
-            with read_parameter_providers(inputs) as sources:
-                run_encoder(encoder_vmfb, sources, out_scope, work, device)
-                del sources
-        else:
-            # Where the compiled archive is paged its layout is reused: the coded output takes
-            # the distinct pages only, each packed copy written through both places; every
-            # region is still checked on both.
-            sources = parameter_providers(inputs)
-            if zeroed_like(encoded, work):
+        with input_providers([(in_scope, coded_in)], device) as sources:
+            # Through a file handle (file_io) the output is written raw (11.5 GB of disk for
+            # SD 1.5, never mapped). Else, where the compiled archive is paged, its layout is
+            # reused: the coded output takes the distinct pages only, each packed copy written
+            # through both places (every region is still checked on both).
+            if not file_io(device) and zeroed_like(encoded, work):
                 into = entry_views(work, write=True)
                 run_encoder(encoder_vmfb, sources, out_scope, None, device, into=into)
                 del into

@@ -16,6 +16,7 @@ written as shared (the page hashes only propose candidates).
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import mmap
 import os
@@ -342,6 +343,7 @@ _MAP_FIXED = 0x10  # Linux and macOS
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
 
+@functools.cache  # one handle: release_pages runs for every region a reader passes
 def _libc():
     """libc's mmap/munmap where this system can map file pages at fixed places, else None."""
     if os.name != "posix" or not hasattr(mmap, "MAP_ANONYMOUS"):
