@@ -60,6 +60,7 @@ from .plan import (  # noqa: F401  (re-exported: callers import the compile API 
     SUBMODULES,
     CompileOptions,
     Plan,
+    embedded_spec,
     flags_for,
     resolve,
 )
@@ -334,6 +335,7 @@ class Builder:
         self, submodule: str, mlir: Path, params: list[tuple[Path, str]], state: dict
     ) -> dict:
         from .iree_compile import compile_mlir
+        from .tuning_embed import with_spec
 
         flags, specs = flags_for(self.plan, submodule)
         key = self.compile_key(submodule, mlir, [sha for _, sha in params])
@@ -351,12 +353,14 @@ class Builder:
             return prev
         log = out / f"{submodule}.compile.log"
         entry = {"compile_key": key, "flags": flags, "tuning_specs": specs}
+        spec = embedded_spec(self.plan, submodule)
         if not self.plan.target.encode_parameters:
-            with self.r.stage("compile", submodule):
-                compile_mlir(mlir, vmfb, flags, log)
+            with self.r.stage("compile", submodule), with_spec(mlir, spec, out) as src:
+                compile_mlir(src, vmfb, flags, log)
         else:
             archives = [path for path, _ in params]
-            entry["encoded"] = self.compile_encoded(submodule, mlir, archives, flags, log)
+            with with_spec(mlir, spec, out) as src:
+                entry["encoded"] = self.compile_encoded(submodule, src, archives, flags, log)
         entry["vmfb_sha256"] = sha256_file(vmfb)
         state[submodule] = entry
         atomic_write_json(self.plan.out / BUILD_STATE, state)

@@ -154,6 +154,8 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
             "arch": plan.arch,
             "arch_description": arch.description,
             "arch_cpu_emulated": arch.cpu_emulated,
+            # what a device must offer to run these modules (the runtime checks it)
+            **({"device_requires": arch.device} if arch.device else {}),
             "driver": plan.target.driver,
             "export": dict(plan.target.export),
         },

@@ -350,16 +350,39 @@ def _check_writable(out: Path, what: str = "", fix: str = "choose another --out"
         raise UserError(f"cannot write to {out} ({probe} is not a writable folder); {fix}")
 
 
+def tuning_spec(plan: Plan, submodule: str) -> tuple[str, Path] | None:
+    """(registry-relative path, file) of the tuning spec a submodule compiles with, if any: the
+    arch preset's, else the target's (a submodule's own entry before "*")."""
+    t = plan.target
+    arch = t.arch(plan.arch)
+    rel = next(
+        (m[k] for m in (arch.tuning_specs, t.tuning_specs) for k in (submodule, "*") if k in m),
+        None,
+    )
+    if rel is None:
+        return None
+    spec = plan.registry.spec_path(rel)
+    if not spec.is_file():
+        raise UserError(f"tuning spec {spec} named in targets.json does not exist")
+    return rel, spec
+
+
+def embedded_spec(plan: Plan, submodule: str) -> Path | None:
+    """The spec to attach to the module itself (compile/tuning_embed.py), where the target takes
+    its specs that way."""
+    found = tuning_spec(plan, submodule)
+    return found[1] if found and plan.target.tuning_spec_via == "module-attribute" else None
+
+
 def flags_for(plan: Plan, submodule: str) -> tuple[list[str], dict[str, str]]:
     """The full iree-compile flag list for a submodule, and {spec path: sha256} it uses."""
     t = plan.target
     flags = t.compile_flags(plan.arch, plan.dtype, submodule)
     specs = {}
-    spec_rel = t.tuning_specs.get(submodule) or t.tuning_specs.get("*")
-    if spec_rel:
-        spec = plan.registry.spec_path(spec_rel)
-        if not spec.is_file():
-            raise UserError(f"tuning spec {spec} named in targets.json does not exist")
-        specs[spec_rel] = sha256_file(spec)
-        flags.append(f"--iree-codegen-tuning-spec-path={spec}")
+    found = tuning_spec(plan, submodule)
+    if found:
+        rel, spec = found
+        specs[rel] = sha256_file(spec)
+        if t.tuning_spec_via == "flag":
+            flags.append(f"--iree-codegen-tuning-spec-path={spec}")
     return flags, specs

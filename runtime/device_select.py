@@ -1,16 +1,21 @@
 """Choose the device an artifact runs on, and refuse one its arch cannot run correctly.
 
-A module compiled for a GPU arch (rdna3, ampere, ...) runs on a CPU Vulkan implementation such
-as llvmpipe without an error and returns NaN, so that pairing is refused unless forced, with a
-message that names the arch to compile for.
+A module compiled for a GPU arch (rdna3, ampere, ...) runs on a device that lacks what the arch
+assumes (a CPU Vulkan implementation such as llvmpipe, or a GPU without cooperative matrices or
+with other subgroup sizes) without an error and returns NaN, so that pairing is refused unless
+forced, with a message that names what is missing and the arch to compile for. The device's
+reported properties decide (runtime/arch_fit.py); names decide where Vulkan cannot be asked or
+the artifact predates `device_requires` in its manifest.
 """
 
 from __future__ import annotations
 
+from .arch_fit import fitting_arches, unmet
 from .device import CPU_DRIVERS, DeviceInfo, find_device, list_devices, pick_preferred
 from .errors import UserError
 from .manifest import Manifest
 from .targets import load_registry
+from .vulkan_caps import caps_for
 
 
 def _driver_ok(manifest_driver: str, device_driver: str) -> bool:
@@ -24,16 +29,40 @@ def suggested_arch(manifest: Manifest, device: DeviceInfo) -> str | None:
     target = load_registry().targets.get(manifest.target)
     if target is None:
         return None
+    caps = caps_for(device.name) if device.driver == "vulkan" else None
+    fits = fitting_arches(target, caps, manifest.data.get("dtype")) if caps else []
+    if fits:
+        return fits[0]
     for arch in target.arches.values():
         if arch.cpu_emulated == device.is_cpu_emulation and arch.matches_device(device.name):
             return arch.name
     return None
 
 
+def _check_properties(manifest: Manifest, device: DeviceInfo) -> None:
+    """Raise if the device's reported properties lack what the artifact's arch needs."""
+    requires = manifest.data["target"].get("device_requires")
+    caps = caps_for(device.name) if requires else None
+    if caps is None:
+        return
+    missing = unmet(requires, caps, manifest.data.get("dtype"))
+    if not missing:
+        return
+    target = load_registry().targets.get(manifest.target)
+    fits = fitting_arches(target, caps, manifest.data.get("dtype")) if target else []
+    fix = f"compile with --arch {fits[0]}" if fits else "compile with --dtype fp32 or --arch baseline"
+    raise UserError(
+        f"this artifact was compiled for vulkan arch {manifest.arch}, which needs "
+        f"{'; '.join(missing)}: device '{device.name}' does not have it; {fix}, or pass "
+        "--force-device to try anyway"
+    )
+
+
 def check_arch(manifest: Manifest, device: DeviceInfo) -> str | None:
     """Raise if the artifact's arch cannot run correctly on device; return a warning or None."""
     if device.driver != "vulkan":
         return None
+    _check_properties(manifest, device)
     cpu_built = bool(manifest.data["target"].get("arch_cpu_emulated"))
     fit = suggested_arch(manifest, device)
     if device.is_cpu_emulation and not cpu_built:

@@ -29,6 +29,10 @@ class Arch:
     refused_dtypes: dict[str, str] = field(default_factory=dict)  # dtype -> why
     # cpu presets: the chip's features (/proc/cpuinfo names), or "host" for the compiling machine's
     cpu_features: tuple[str, ...] | str = ()
+    # vulkan presets: what a device must offer to run this preset's modules (runtime/vulkan_caps.py)
+    device: dict = field(default_factory=dict)
+    # {submodule or "*": spec}, used instead of the target's
+    tuning_specs: dict[str, str] = field(default_factory=dict)
 
     def features(self) -> frozenset[str]:
         if self.cpu_features == "host":
@@ -70,6 +74,9 @@ class Target:
     submodule_flags: dict[str, tuple[str, ...]]
     tuning_specs: dict[str, str]
     arches: dict[str, Arch] = field(default_factory=dict)
+    # how a tuning spec reaches iree-compile: "flag" (--iree-codegen-tuning-spec-path) or
+    # "module-attribute" (attached to the module: compile/tuning_embed.py)
+    tuning_spec_via: str = "flag"
     dtype_options: dict[str, DtypeOption] = field(default_factory=dict)
     refused_dtypes: dict[str, str] = field(default_factory=dict)  # dtype -> why, every arch
     # Precompute load-time weight transforms at compile (compile/param_encoder.py).
@@ -214,6 +221,7 @@ TARGET_FIELDS = {
     "dtype_options": "obj_map",
     "refused_dtypes": "str_map",
     "encode_parameters": "bool",
+    "tuning_spec_via": "str",
 }
 ARCH_FIELDS = {
     "description": "str",
@@ -222,7 +230,13 @@ ARCH_FIELDS = {
     "cpu_emulated": "bool",
     "refused_dtypes": "str_map",
     "cpu_features": "features",
+    "device": "dict",
+    "tuning_specs": "str_map",
 }
+# What a vulkan preset's modules need from a device (runtime/device_select.py checks them):
+# vendor_ids ("0x1002", for --arch auto), subgroup_sizes (each must be one the device can run
+# at), cooperative_matrix, shared_memory_bytes (the least the device must offer).
+DEVICE_FIELDS = ("vendor_ids", "subgroup_sizes", "cooperative_matrix", "shared_memory_bytes")
 DTYPE_OPTION_FIELDS = {
     "export_dtype": "str",
     "flags": "strs",
@@ -345,6 +359,8 @@ def check_registry(data: dict, path: Path) -> None:
         for sub, choices in t.get("submodule_export", {}).items():
             c.export(choices, f"{w}.submodule_export.{sub}", unet=sub == "unet")
         c.names(t.get("tuning_specs", {}), [*submodules, "*"], f"{w}.tuning_specs", "submodule")
+        c.names([t.get("tuning_spec_via", "flag")], ("flag", "module-attribute"),
+                f"{w}.tuning_spec_via", "way")
         for d, opt in t.get("dtype_options", {}).items():
             wd = f"{w}.dtype_options.{d}"
             c.fields(opt, DTYPE_OPTION_FIELDS, ("export_dtype",), wd)
@@ -358,6 +374,9 @@ def check_registry(data: dict, path: Path) -> None:
             wa = f"{w}.arches.{a}"
             c.fields(spec, ARCH_FIELDS, (), wa)
             c.names(spec.get("refused_dtypes", {}), dtypes, f"{wa}.refused_dtypes", "dtype")
+            c.names(spec.get("tuning_specs", {}), [*submodules, "*"], f"{wa}.tuning_specs",
+                    "submodule")
+            c.names(spec.get("device", {}), DEVICE_FIELDS, f"{wa}.device", "device requirement")
             for pattern in spec.get("device_match", ()):
                 try:
                     re.compile(pattern)
@@ -406,6 +425,8 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
                 cpu_emulated=bool(spec.get("cpu_emulated", False)),
                 refused_dtypes=dict(spec.get("refused_dtypes", {})),
                 cpu_features=_cpu_features(spec.get("cpu_features", ())),
+                device=dict(spec.get("device", {})),
+                tuning_specs=dict(spec.get("tuning_specs", {})),
             )
             for a, spec in t["arches"].items()
         }
@@ -420,6 +441,7 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
             flags=tuple(t.get("flags", ())),
             submodule_flags=_tuples(t.get("submodule_flags", {})),
             tuning_specs=dict(t.get("tuning_specs", {})),
+            tuning_spec_via=t.get("tuning_spec_via", "flag"),
             arches=arches,
             dtype_options={
                 d: DtypeOption(

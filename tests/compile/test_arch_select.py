@@ -8,6 +8,7 @@ from sdiree.compile import arch_select
 from sdiree.runtime.device import DeviceInfo, list_devices
 from sdiree.runtime.errors import UserError
 from sdiree.runtime.targets import load_registry
+from sdiree.runtime.vulkan_caps import VulkanCaps
 
 VK = load_registry().target("vulkan-spirv")
 LLVMPIPE = DeviceInfo("vulkan", 0, 1, "llvmpipe (LLVM 15.0.6, 256 bits)", "cpu")
@@ -25,13 +26,55 @@ def fake(monkeypatch, devices):
         ("NVIDIA GeForce RTX 3090", "ampere"),
         ("NVIDIA GeForce RTX 4090", "ada"),
         ("NVIDIA H100 80GB HBM3", "ampere"),
-        ("Intel(R) Arc(tm) A770 Graphics (DG2)", "baseline"),
+        ("Intel(R) Arc(tm) A770 Graphics (DG2)", "arc"),
+        ("AMD Radeon RX 580 Series (RADV POLARIS10)", "gcn"),
+        ("NVIDIA GeForce GTX 1080", "baseline"),
     ],
 )
 def test_real_gpu_preferred_over_lavapipe(monkeypatch, name, arch):
+    """Where Vulkan cannot be asked for properties, the device's name decides."""
     fake(monkeypatch, [LLVMPIPE, DeviceInfo("vulkan", 1, 2, name, "gpu")])
+    monkeypatch.setattr(arch_select, "caps_for", lambda name: None)
     picked, why = arch_select.auto_arch(VK)
     assert picked == arch and name in why
+
+
+def caps(name, vendor, lo=32, hi=64, coop=False, shared=65536, kind="discrete", fp16=True):
+    return VulkanCaps(
+        name=name, vendor_id=vendor, device_id=0x1234, device_type=kind, api_version=(1, 3, 0),
+        subgroup_size=lo, min_subgroup_size=lo, max_subgroup_size=hi, subgroup_shuffle=True,
+        subgroup_arithmetic=True, fp16=fp16, storage16=True, int8=True, cooperative_matrix=coop,
+        shared_memory_bytes=shared, max_invocations=1024, max_storage_buffer_range=1 << 31,
+        extensions=frozenset(),
+    )
+
+
+@pytest.mark.parametrize(
+    "props,arch",
+    [
+        # names no preset matches: the properties alone decide
+        (caps("AMD Radeon Graphics (RADV GFX1151)", 0x1002, coop=True), "rdna3"),
+        (caps("AMD Radeon Graphics (RADV GFX1036)", 0x1002), "rdna2"),
+        (caps("AMD Radeon Graphics (RADV RAVEN)", 0x1002, lo=64), "gcn"),
+        (caps("NVIDIA Graphics Device", 0x10DE, lo=32, hi=32, coop=True, shared=49152), "ampere"),
+        (caps("Intel(R) Graphics (BMG G21)", 0x8086, lo=8, hi=32), "arc"),
+        # an RDNA3 name on a driver without cooperative matrices: the properties win
+        (caps("AMD Radeon RX 7900 XTX (RADV GFX1100)", 0x1002), "rdna2"),
+        # a name match breaks a tie between presets the device fits
+        (caps("NVIDIA GeForce RTX 4090", 0x10DE, lo=32, hi=32, coop=True, shared=49152), "ada"),
+        # an NVIDIA GPU without cooperative matrices (Pascal) fits no preset: baseline
+        (caps("NVIDIA GeForce GTX 1080", 0x10DE, lo=32, hi=32, shared=49152), "baseline"),
+    ],
+)
+def test_properties_pick_the_arch(monkeypatch, props, arch):
+    fake(monkeypatch, [LLVMPIPE, DeviceInfo("vulkan", 1, 2, props.name + " (driver 1.0)", "gpu")])
+    monkeypatch.setattr(
+        arch_select, "caps_for", lambda name: props if name.startswith(props.name) else None
+    )
+    picked, why = arch_select.auto_arch(VK)
+    assert picked == arch, why
+    if arch != "baseline":
+        assert "reports" in why and "subgroup" in why
 
 
 def test_lavapipe_when_only_cpu_vulkan(monkeypatch):

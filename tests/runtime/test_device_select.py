@@ -66,3 +66,52 @@ def test_find_device_by_index_and_name_here():
     assert find_device("local-task", "vulkan").driver == "local-task"
     with pytest.raises(UserError, match="index 0-"):
         find_device(f"vulkan:{len(devices)}", "vulkan")
+
+
+def caps(**kw):
+    from sdiree.runtime.vulkan_caps import VulkanCaps
+
+    base = dict(
+        name="AMD Radeon RX 580 Series (RADV POLARIS10)", vendor_id=0x1002, device_id=0x67DF,
+        device_type="discrete", api_version=(1, 3, 0), subgroup_size=64, min_subgroup_size=64,
+        max_subgroup_size=64, subgroup_shuffle=True, subgroup_arithmetic=True, fp16=False,
+        storage16=True, int8=True, cooperative_matrix=False, shared_memory_bytes=65536,
+        max_invocations=1024, max_storage_buffer_range=1 << 31, extensions=frozenset(),
+    )
+    return VulkanCaps(**{**base, **kw})
+
+
+POLARIS = DeviceInfo("vulkan", 0, 1, "AMD Radeon RX 580 Series (RADV POLARIS10) (radv)", "gpu")
+
+
+def gpu_manifest(arch, dtype):
+    from sdiree.runtime.targets import load_registry
+
+    m = manifest(arch=arch, cpu=False)
+    m.data["target"]["device_requires"] = load_registry().target("vulkan-spirv").arch(arch).device
+    m.data["dtype"] = dtype
+    return m
+
+
+@pytest.mark.parametrize(
+    "arch,dtype,props,error",
+    [
+        # RADV on Polaris has no fp16 arithmetic: an fp16 gcn module is refused, fp32 runs
+        ("gcn", "fp16", {}, "fp16 arithmetic.*--dtype fp32"),
+        ("gcn", "fp32", {}, None),
+        ("gcn", "fp16", {"fp16": True}, None),
+        # an rdna2 module may use subgroups of 32: not on a wave64-only GCN
+        ("rdna2", "fp32", {}, "subgroup size 32 \\(it runs 64-64\\).*--arch gcn"),
+        ("rdna3", "fp16", {"min_subgroup_size": 32, "fp16": True, "name": "AMD Radeon (GFX1036)"},
+         "cooperative matrices.*--arch rdna2"),
+    ],
+)
+def test_device_properties_checked(monkeypatch, arch, dtype, props, error):
+    monkeypatch.setattr(device_select, "caps_for", lambda name: caps(**props))
+    fake(monkeypatch, [POLARIS])
+    if error is None:
+        info, _ = device_select.choose_device(gpu_manifest(arch, dtype), None)
+        assert info == POLARIS
+    else:
+        with pytest.raises(UserError, match=error):
+            device_select.choose_device(gpu_manifest(arch, dtype), None)

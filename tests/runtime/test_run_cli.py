@@ -215,6 +215,22 @@ def test_arch_device_mismatch_refused(art_copy, tmp_path):
     assert not out.exists()
 
 
+def test_arch_needs_what_the_device_lacks_refused(art_copy, tmp_path):
+    """The manifest's device_requires (the rdna3 preset's) against what lavapipe reports."""
+    from sdiree.runtime.targets import load_registry
+
+    art = art_copy("vulkan-spirv", "lavapipe", "fp32")
+    m = json.loads((art / "manifest.json").read_text())
+    rdna3 = load_registry().target("vulkan-spirv").arch("rdna3")
+    m["target"].update(arch="rdna3", device_requires=rdna3.device)  # arch_cpu_emulated kept
+    (art / "manifest.json").write_text(json.dumps(m))
+    out = tmp_path / "o.png"
+    proc = sdiree("run", art, "--prompt", "a", "-o", out)
+    assert_clean_failure(proc, "cooperative matrices")
+    assert "subgroup size 32 and 64" in proc.stderr and "--arch lavapipe" in proc.stderr
+    assert not out.exists()
+
+
 def test_cpu_artifact_refuses_vulkan_device(cpu_art, tmp_path):
     proc = sdiree("run", cpu_art, "--prompt", "a", "--device", "vulkan", "-o", tmp_path / "o.png")
     assert_clean_failure(proc, "compiled for cpu")
