@@ -164,10 +164,10 @@ def test_default_dtype_falls_back_when_refused_and_says_why(tiny_model, tmp_path
     from sdiree.compile.report import Reporter
 
     log = io.StringIO()
-    opts = CompileOptions(tiny_model, "vulkan-spirv", arch="ampere", out=tmp_path / "a")
+    opts = CompileOptions(tiny_model, "vulkan-spirv", arch="baseline", out=tmp_path / "a")
     plan = resolve(opts, Reporter(stream=log))
-    assert plan.dtype == "fp32"  # the target's fp16 default is refused for ampere
-    assert "dtype: fp32, as fp16 is refused for ampere" in log.getvalue()
+    assert plan.dtype == "fp32"  # the target's fp16 default is refused for baseline
+    assert "dtype: fp32, as fp16 is refused for baseline" in log.getvalue()
     plan = resolve(CompileOptions(tiny_model, "vulkan-spirv", arch="rdna2", out=tmp_path / "b"),
                    Reporter(stream=io.StringIO()))  # fmt: skip
     assert plan.dtype == "fp16"

@@ -34,7 +34,9 @@ PRESETS = [
 def test_required_presets_exist():
     arches = {t: set(REGISTRY.target(t).arches) for t in REGISTRY.targets}
     assert {"host", "x86-64-v3"} <= arches["cpu"]
-    assert {"lavapipe", "baseline", "rdna2", "rdna3", "ampere", "ada"} <= arches["vulkan-spirv"]
+    assert {"lavapipe", "baseline", "rdna2", "rdna3", "ampere", "ada", "gcn", "arc"} <= arches[
+        "vulkan-spirv"
+    ]
     assert {"gfx90a", "gfx942", "gfx1100"} <= arches["rocm"]
     assert {"sm_80", "sm_89"} <= arches["cuda"]
     # cpu: decomposed attention is 2.4x faster and far more precise than fused SDPA at 512x512,
@@ -68,10 +70,12 @@ def test_refused_dtypes_are_refused_with_their_reason_and_defaults_fall_back():
     from sdiree.runtime.errors import UserError
 
     vk = REGISTRY.target("vulkan-spirv")
-    assert "fp16" in vk.refusals("ampere") and "fp16" not in vk.usable_dtypes("ampere")
-    assert vk.pick_dtype("ampere", None) == "fp32"
-    with pytest.raises(UserError, match=r"refused for vulkan-spirv/ampere: iree 3\.13 cannot"):
-        vk.pick_dtype("ampere", "fp16")
+    assert "fp16" in vk.refusals("baseline") and "fp16" not in vk.usable_dtypes("baseline")
+    assert vk.pick_dtype("baseline", None) == "fp32"
+    with pytest.raises(UserError, match=r"refused for vulkan-spirv/baseline: iree 3\.13 cannot"):
+        vk.pick_dtype("baseline", "fp16")
+    for arch in ("rdna3", "ampere", "ada", "gcn", "arc"):  # fp16 compiles on every GPU arch
+        assert vk.pick_dtype(arch, None) == "fp16"
     cuda = REGISTRY.target("cuda")
     with pytest.raises(UserError, match="not available"):
         cuda.pick_dtype("sm_80", "bf16")

@@ -1,0 +1,146 @@
+"""The shipped tuning specs: each is what its generator writes, is needed, matches the ops it was
+written for (the compiler's own configuration dump shows its marker on them) and changes the
+compiled module; and the SIMT choices it makes give fp16 images equal to diffusers' fp32 ones.
+
+vulkan-spirv's spec (tools/make_vulkan_tuning_spec.py) sends the contractions that iree 3.13's
+cooperative-matrix codegen fails on to the SIMT matmul pipeline. Checked by cross-compiling the
+tiny model for ampere fp16 (rdna3 and ada fail on the same ops), and on lavapipe, which runs an
+fp16 build that takes the same choices for those ops.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+from make_vulkan_tuning_spec import CLASSES, SPEC, render  # noqa: E402
+from parity import diffusers_images, psnr  # noqa: E402
+
+MARKER = "__tuning_spec_applied__"
+SPEC_REL = "tuning/vulkan_coopmatrix_fallback.mlir"
+PROMPT = "a lighthouse at dusk, oil painting"
+
+
+def test_shipped_spec_is_the_generators_output():
+    assert SPEC.read_text() == render()
+    for name in CLASSES:
+        assert f"@match_{name}_64" in SPEC.read_text()
+
+
+def test_registry_gives_the_spec_to_the_cooperative_matrix_arches():
+    from sdiree.runtime.targets import load_registry
+
+    vk = load_registry().target("vulkan-spirv")
+    assert vk.tuning_spec_via == "module-attribute"
+    with_mma = {"rdna3", "ampere", "ada"}
+    for name, arch in vk.arches.items():
+        assert (arch.tuning_specs == {"*": SPEC_REL}) == (name in with_mma), name
+        assert bool(arch.device.get("cooperative_matrix")) == (name in with_mma), name
+        assert "fp16" not in arch.refused_dtypes or name == "baseline", name
+
+
+def specs_copy(tmp_path: Path, arch: str, dump: Path | None, spec: bool) -> Path:
+    """The shipped specs with arch's tuning spec on or off and, with dump, its compiles writing
+    their executables' configurations (iree-compile's own record of what applied) to dump."""
+    specs = tmp_path / f"specs-{arch}-{spec}"
+    shutil.copytree(ROOT / "specs", specs)
+    data = json.loads((specs / "targets.json").read_text())
+    preset = data["targets"]["vulkan-spirv"]["arches"][arch]
+    preset["tuning_specs"] = {"*": SPEC_REL} if spec else {}
+    if dump is not None:
+        preset["flags"] = [*preset["flags"], f"--iree-hal-dump-executable-configurations-to={dump}"]
+    (specs / "targets.json").write_text(json.dumps(data))
+    return specs
+
+
+def compile_tiny(model: Path, arch: str, specs: Path, out: Path):
+    from sdiree.compile.driver import CompileOptions, compile_model
+    from sdiree.compile.report import Reporter
+
+    opts = CompileOptions(
+        model, "vulkan-spirv", arch=arch, dtype="fp16", out=out, specs_dir=specs
+    )  # fmt: skip
+    return compile_model(opts, Reporter(stream=io.StringIO()))
+
+
+def configurations(dump: Path) -> dict[str, str]:
+    """{dispatch function name: its configured source} from a configuration dump."""
+    out = {}
+    for f in dump.glob("*.mlir"):
+        text = f.read_text()
+        for name in re.findall(r"func\.func @(\S+?)\(", text):
+            out[name] = text
+    return out
+
+
+def pipeline(text: str) -> str:
+    return re.search(r"spirv_pipeline<(\w+)>", text).group(1)
+
+
+def tuned(configs: dict[str, str]) -> dict[str, str]:
+    return {n: t for n, t in configs.items() if MARKER in t}
+
+
+def test_cooperative_matrix_arch_needs_the_spec_and_it_applies(tiny_model, tmp_path):
+    from sdiree.runtime.errors import UserError
+
+    with pytest.raises(UserError, match="no GPU subgroup mma compute ops generated"):
+        compile_tiny(tiny_model, "ampere", specs_copy(tmp_path, "ampere", None, False),
+                     tmp_path / "without")  # fmt: skip
+
+    dump = tmp_path / "dump"
+    art = tmp_path / "with"
+    compile_tiny(tiny_model, "ampere", specs_copy(tmp_path, "ampere", dump, True), art)
+    manifest = json.loads((art / "manifest.json").read_text())
+    for sub in manifest["submodules"].values():
+        assert list(sub["tuning_specs"]) == [SPEC_REL]
+        assert not any("tuning" in f or "transform-dialect" in f for f in sub["flags"])
+    configs = configurations(dump)
+    matched = tuned(configs)
+    # the ops it was written for: the transposed-output 1x1 convolutions and the attention
+    # batch matmuls, in the UNet and the VAE; each now on the SIMT pipeline
+    assert any("matmul_like" in n for n in matched) and any("batch_matmul" in n for n in matched)
+    assert any(n.startswith("decode") for n in matched)
+    for name, text in matched.items():
+        assert re.search(r"(matmul_like|batch_matmul)\w*_f16xf16xf32$", name), name
+        assert pipeline(text) == "MatmulPromoteVectorize", name
+    # and nothing else: cooperative matrices stay where they compile
+    coop = [n for n, t in configs.items() if pipeline(t) == "CooperativeMatrixVectorize"]
+    assert coop and not set(coop) & set(matched)
+    assert not any(MARKER in t for n, t in configs.items() if n not in matched)
+
+
+def test_lavapipe_fp16_with_the_spec_matches_diffusers(tiny_model, tmp_path):
+    """lavapipe has no cooperative matrices: its fp16 build with the spec runs the same SIMT
+    configurations for the same ops as the ampere build, for real, against diffusers fp32."""
+    from PIL import Image
+
+    from sdiree.runtime.generate import generate_to_files
+
+    dump = tmp_path / "dump"
+    art = tmp_path / "lavapipe-fp16"
+    compile_tiny(tiny_model, "lavapipe", specs_copy(tmp_path, "lavapipe", dump, True), art)
+    matched = tuned(configurations(dump))
+    assert any("matmul_like" in n for n in matched) and any("batch_matmul" in n for n in matched)
+    assert all(pipeline(t) == "MatmulPromoteVectorize" for t in matched.values())
+
+    steps = 4
+    png = tmp_path / "img.png"
+    generate_to_files(
+        artifact_dir=art, prompt=PROMPT, negative_prompt="", steps=steps, guidance_scale=7.5,
+        scheduler="euler", seed=42, num_images=1, output=png,
+    )  # fmt: skip
+    with Image.open(png) as im:
+        ours = np.asarray(im.convert("RGB"))[None]
+    ref = diffusers_images(tiny_model, "euler", steps, 7.5, 42, PROMPT, "", 1, ours.shape[1:3])
+    assert np.isfinite(ours).all()
+    assert psnr(ours, ref) >= 30.0
