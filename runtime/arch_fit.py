@@ -30,7 +30,9 @@ def unmet(requires: dict, caps: VulkanCaps, dtype: str | None = None) -> list[st
             f"{need // 1024} KiB of shared memory (it has {caps.shared_memory_bytes // 1024})"
         )
     if dtype == "fp16" and not (caps.fp16 and caps.storage16):
-        missing.append("fp16 arithmetic and 16-bit storage (shaderFloat16, storageBuffer16BitAccess)")
+        missing.append(
+            "fp16 arithmetic and 16-bit storage (shaderFloat16, storageBuffer16BitAccess)"
+        )
     return missing
 
 

@@ -131,6 +131,24 @@ def cmd_devices(a: argparse.Namespace) -> None:
         for d in found:
             kind = "CPU implementation" if d.is_cpu_emulation else d.kind.upper()
             print(f"{d.label:<11} {d.name}  [{kind}]")
+            if driver == "vulkan":
+                _print_vulkan_fit(d.name)
+
+
+def _print_vulkan_fit(name: str) -> None:
+    """What a Vulkan device reports, and the vulkan-spirv arch presets it runs."""
+    from .arch_fit import fitting_arches
+    from .targets import load_registry
+    from .vulkan_caps import caps_for
+
+    caps = caps_for(name)
+    if caps is None:
+        return
+    target = load_registry().target("vulkan-spirv")
+    fits = fitting_arches(target, caps)
+    fp16 = " (fp32 only)" if fits and not fitting_arches(target, caps, "fp16") else ""
+    print(f"{'':<11} {caps.summary()}")
+    print(f"{'':<11} runs --arch {', '.join(fits) or 'baseline'}{fp16}")
 
 
 def cmd_run(a: argparse.Namespace) -> None:
@@ -399,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "devices",
         help="list IREE drivers and devices",
-        description="List IREE drivers and devices (Vulkan devices with their type).",
+        description="List IREE drivers and devices (Vulkan devices with their type, the "
+        "properties they report and the vulkan-spirv arch presets they run).",
     )
     p.set_defaults(func=cmd_devices)
 

@@ -50,7 +50,9 @@ def _check_properties(manifest: Manifest, device: DeviceInfo) -> None:
         return
     target = load_registry().targets.get(manifest.target)
     fits = fitting_arches(target, caps, manifest.data.get("dtype")) if target else []
-    fix = f"compile with --arch {fits[0]}" if fits else "compile with --dtype fp32 or --arch baseline"
+    fix = (
+        f"compile with --arch {fits[0]}" if fits else "compile with --dtype fp32 or --arch baseline"
+    )
     raise UserError(
         f"this artifact was compiled for vulkan arch {manifest.arch}, which needs "
         f"{'; '.join(missing)}: device '{device.name}' does not have it; {fix}, or pass "

@@ -359,8 +359,12 @@ def check_registry(data: dict, path: Path) -> None:
         for sub, choices in t.get("submodule_export", {}).items():
             c.export(choices, f"{w}.submodule_export.{sub}", unet=sub == "unet")
         c.names(t.get("tuning_specs", {}), [*submodules, "*"], f"{w}.tuning_specs", "submodule")
-        c.names([t.get("tuning_spec_via", "flag")], ("flag", "module-attribute"),
-                f"{w}.tuning_spec_via", "way")
+        c.names(
+            [t.get("tuning_spec_via", "flag")],
+            ("flag", "module-attribute"),
+            f"{w}.tuning_spec_via",
+            "way",
+        )
         for d, opt in t.get("dtype_options", {}).items():
             wd = f"{w}.dtype_options.{d}"
             c.fields(opt, DTYPE_OPTION_FIELDS, ("export_dtype",), wd)
@@ -374,8 +378,9 @@ def check_registry(data: dict, path: Path) -> None:
             wa = f"{w}.arches.{a}"
             c.fields(spec, ARCH_FIELDS, (), wa)
             c.names(spec.get("refused_dtypes", {}), dtypes, f"{wa}.refused_dtypes", "dtype")
-            c.names(spec.get("tuning_specs", {}), [*submodules, "*"], f"{wa}.tuning_specs",
-                    "submodule")
+            c.names(
+                spec.get("tuning_specs", {}), [*submodules, "*"], f"{wa}.tuning_specs", "submodule"
+            )
             c.names(spec.get("device", {}), DEVICE_FIELDS, f"{wa}.device", "device requirement")
             for pattern in spec.get("device_match", ()):
                 try:

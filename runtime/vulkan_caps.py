@@ -14,8 +14,15 @@ import ctypes.util
 from dataclasses import dataclass
 from functools import lru_cache
 
-VENDORS = {0x1002: "AMD", 0x10DE: "NVIDIA", 0x8086: "Intel", 0x10005: "Mesa", 0x13B5: "ARM",
-           0x5143: "Qualcomm", 0x106B: "Apple"}
+VENDORS = {
+    0x1002: "AMD",
+    0x10DE: "NVIDIA",
+    0x8086: "Intel",
+    0x10005: "Mesa",
+    0x13B5: "ARM",
+    0x5143: "Qualcomm",
+    0x106B: "Apple",
+}
 DEVICE_TYPES = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
 
 # sTypes (vulkan_core.h)
@@ -83,54 +90,86 @@ class _Header(ctypes.Structure):
 
 
 class _AppInfo(ctypes.Structure):
-    _fields_ = [("sType", ctypes.c_int32), ("pNext", ctypes.c_void_p),
-                ("pApplicationName", ctypes.c_char_p), ("applicationVersion", ctypes.c_uint32),
-                ("pEngineName", ctypes.c_char_p), ("engineVersion", ctypes.c_uint32),
-                ("apiVersion", ctypes.c_uint32)]
+    _fields_ = [
+        ("sType", ctypes.c_int32),
+        ("pNext", ctypes.c_void_p),
+        ("pApplicationName", ctypes.c_char_p),
+        ("applicationVersion", ctypes.c_uint32),
+        ("pEngineName", ctypes.c_char_p),
+        ("engineVersion", ctypes.c_uint32),
+        ("apiVersion", ctypes.c_uint32),
+    ]
 
 
 class _InstanceInfo(ctypes.Structure):
-    _fields_ = [("sType", ctypes.c_int32), ("pNext", ctypes.c_void_p), ("flags", ctypes.c_uint32),
-                ("pApplicationInfo", ctypes.POINTER(_AppInfo)),
-                ("enabledLayerCount", ctypes.c_uint32), ("ppEnabledLayerNames", ctypes.c_void_p),
-                ("enabledExtensionCount", ctypes.c_uint32),
-                ("ppEnabledExtensionNames", ctypes.c_void_p)]
+    _fields_ = [
+        ("sType", ctypes.c_int32),
+        ("pNext", ctypes.c_void_p),
+        ("flags", ctypes.c_uint32),
+        ("pApplicationInfo", ctypes.POINTER(_AppInfo)),
+        ("enabledLayerCount", ctypes.c_uint32),
+        ("ppEnabledLayerNames", ctypes.c_void_p),
+        ("enabledExtensionCount", ctypes.c_uint32),
+        ("ppEnabledExtensionNames", ctypes.c_void_p),
+    ]
 
 
 class _Props2(ctypes.Structure):
-    _fields_ = [("sType", ctypes.c_int32), ("pNext", ctypes.c_void_p),
-                ("properties", ctypes.c_uint8 * _PROPS_SIZE)]
+    _fields_ = [
+        ("sType", ctypes.c_int32),
+        ("pNext", ctypes.c_void_p),
+        ("properties", ctypes.c_uint8 * _PROPS_SIZE),
+    ]
 
 
 class _SubgroupProps(ctypes.Structure):
-    _fields_ = [("sType", ctypes.c_int32), ("pNext", ctypes.c_void_p),
-                ("subgroupSize", ctypes.c_uint32), ("supportedStages", ctypes.c_uint32),
-                ("supportedOperations", ctypes.c_uint32),
-                ("quadOperationsInAllStages", ctypes.c_uint32)]
+    _fields_ = [
+        ("sType", ctypes.c_int32),
+        ("pNext", ctypes.c_void_p),
+        ("subgroupSize", ctypes.c_uint32),
+        ("supportedStages", ctypes.c_uint32),
+        ("supportedOperations", ctypes.c_uint32),
+        ("quadOperationsInAllStages", ctypes.c_uint32),
+    ]
 
 
 class _SizeControlProps(ctypes.Structure):
-    _fields_ = [("sType", ctypes.c_int32), ("pNext", ctypes.c_void_p),
-                ("minSubgroupSize", ctypes.c_uint32), ("maxSubgroupSize", ctypes.c_uint32),
-                ("maxComputeWorkgroupSubgroups", ctypes.c_uint32),
-                ("requiredSubgroupSizeStages", ctypes.c_uint32)]
+    _fields_ = [
+        ("sType", ctypes.c_int32),
+        ("pNext", ctypes.c_void_p),
+        ("minSubgroupSize", ctypes.c_uint32),
+        ("maxSubgroupSize", ctypes.c_uint32),
+        ("maxComputeWorkgroupSubgroups", ctypes.c_uint32),
+        ("requiredSubgroupSizeStages", ctypes.c_uint32),
+    ]
 
 
 class _Features2(ctypes.Structure):
-    _fields_ = [("sType", ctypes.c_int32), ("pNext", ctypes.c_void_p),
-                ("features", ctypes.c_uint32 * 55)]
+    _fields_ = [
+        ("sType", ctypes.c_int32),
+        ("pNext", ctypes.c_void_p),
+        ("features", ctypes.c_uint32 * 55),
+    ]
 
 
 class _Float16Int8(ctypes.Structure):
-    _fields_ = [("sType", ctypes.c_int32), ("pNext", ctypes.c_void_p),
-                ("shaderFloat16", ctypes.c_uint32), ("shaderInt8", ctypes.c_uint32)]
+    _fields_ = [
+        ("sType", ctypes.c_int32),
+        ("pNext", ctypes.c_void_p),
+        ("shaderFloat16", ctypes.c_uint32),
+        ("shaderInt8", ctypes.c_uint32),
+    ]
 
 
 class _Storage16(ctypes.Structure):
-    _fields_ = [("sType", ctypes.c_int32), ("pNext", ctypes.c_void_p),
-                ("storageBuffer16BitAccess", ctypes.c_uint32),
-                ("uniformAndStorageBuffer16BitAccess", ctypes.c_uint32),
-                ("storagePushConstant16", ctypes.c_uint32), ("storageInputOutput16", ctypes.c_uint32)]
+    _fields_ = [
+        ("sType", ctypes.c_int32),
+        ("pNext", ctypes.c_void_p),
+        ("storageBuffer16BitAccess", ctypes.c_uint32),
+        ("uniformAndStorageBuffer16BitAccess", ctypes.c_uint32),
+        ("storagePushConstant16", ctypes.c_uint32),
+        ("storageInputOutput16", ctypes.c_uint32),
+    ]
 
 
 class _ExtProps(ctypes.Structure):
@@ -138,7 +177,7 @@ class _ExtProps(ctypes.Structure):
 
 
 def _u32(buf, off: int) -> int:
-    return int.from_bytes(bytes(buf[off:off + 4]), "little")
+    return int.from_bytes(bytes(buf[off : off + 4]), "little")
 
 
 def _loader():
@@ -148,8 +187,9 @@ def _loader():
 
 def _device_caps(vk, dev) -> VulkanCaps:
     size_ctl = _SizeControlProps(_SUBGROUP_SIZE_CONTROL_PROPERTIES, None)
-    subgroup = _SubgroupProps(_SUBGROUP_PROPERTIES, ctypes.cast(ctypes.pointer(size_ctl),
-                                                                ctypes.c_void_p))
+    subgroup = _SubgroupProps(
+        _SUBGROUP_PROPERTIES, ctypes.cast(ctypes.pointer(size_ctl), ctypes.c_void_p)
+    )
     props = _Props2(_PROPERTIES_2, ctypes.cast(ctypes.pointer(subgroup), ctypes.c_void_p))
     vk.vkGetPhysicalDeviceProperties2(dev, ctypes.byref(props))
     p = props.properties
@@ -157,8 +197,9 @@ def _device_caps(vk, dev) -> VulkanCaps:
     name = bytes(p[20:276]).split(b"\0", 1)[0].decode("utf-8", "replace")
 
     storage = _Storage16(_16BIT_STORAGE_FEATURES, None)
-    f16 = _Float16Int8(_FLOAT16_INT8_FEATURES, ctypes.cast(ctypes.pointer(storage),
-                                                           ctypes.c_void_p))
+    f16 = _Float16Int8(
+        _FLOAT16_INT8_FEATURES, ctypes.cast(ctypes.pointer(storage), ctypes.c_void_p)
+    )
     feats = _Features2(_FEATURES_2, ctypes.cast(ctypes.pointer(f16), ctypes.c_void_p))
     vk.vkGetPhysicalDeviceFeatures2(dev, ctypes.byref(feats))
 

@@ -24,37 +24,68 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-SPEC = Path(__file__).resolve().parent.parent / "specs" / "tuning" / "vulkan_coopmatrix_fallback.mlir"
+SPEC = (
+    Path(__file__).resolve().parent.parent / "specs" / "tuning" / "vulkan_coopmatrix_fallback.mlir"
+)
 
 # name: (indexing maps, role of each loop dim, {role: (operand, dim)} for the divisibility checks).
 # Roles: b batch (tile 1), m, n, k, o an outer M dim (tile 1).
 CLASSES = {
     "nt_out_2d_kmajor": (
         ["(d0, d1, d2) -> (d2, d1)", "(d0, d1, d2) -> (d0, d2)", "(d0, d1, d2) -> (d0, d1)"],
-        "nmk", {"m": (0, 1), "k": (0, 0), "n": (1, 0)}),
+        "nmk",
+        {"m": (0, 1), "k": (0, 0), "n": (1, 0)},
+    ),
     "nt_out_2d": (
         ["(d0, d1, d2) -> (d1, d2)", "(d0, d1, d2) -> (d0, d2)", "(d0, d1, d2) -> (d0, d1)"],
-        "nmk", {"m": (0, 0), "k": (0, 1), "n": (1, 0)}),
+        "nmk",
+        {"m": (0, 0), "k": (0, 1), "n": (1, 0)},
+    ),
     "nt_out_batch_kmajor": (
-        ["(d0, d1, d2, d3) -> (d0, d3, d2)", "(d0, d1, d2, d3) -> (d1, d3)",
-         "(d0, d1, d2, d3) -> (d0, d1, d2)"],
-        "bnmk", {"m": (0, 2), "k": (0, 1), "n": (1, 0)}),
+        [
+            "(d0, d1, d2, d3) -> (d0, d3, d2)",
+            "(d0, d1, d2, d3) -> (d1, d3)",
+            "(d0, d1, d2, d3) -> (d0, d1, d2)",
+        ],
+        "bnmk",
+        {"m": (0, 2), "k": (0, 1), "n": (1, 0)},
+    ),
     "nt_out_batch": (
-        ["(d0, d1, d2, d3) -> (d0, d2, d3)", "(d0, d1, d2, d3) -> (d1, d3)",
-         "(d0, d1, d2, d3) -> (d0, d1, d2)"],
-        "bnmk", {"m": (0, 1), "k": (0, 2), "n": (1, 0)}),
+        [
+            "(d0, d1, d2, d3) -> (d0, d2, d3)",
+            "(d0, d1, d2, d3) -> (d1, d3)",
+            "(d0, d1, d2, d3) -> (d0, d1, d2)",
+        ],
+        "bnmk",
+        {"m": (0, 1), "k": (0, 2), "n": (1, 0)},
+    ),
     "nt_out_2m_kmajor": (
-        ["(d0, d1, d2, d3) -> (d3, d1, d2)", "(d0, d1, d2, d3) -> (d0, d3)",
-         "(d0, d1, d2, d3) -> (d0, d1, d2)"],
-        "nomk", {"m": (0, 2), "k": (0, 0), "n": (1, 0)}),
+        [
+            "(d0, d1, d2, d3) -> (d3, d1, d2)",
+            "(d0, d1, d2, d3) -> (d0, d3)",
+            "(d0, d1, d2, d3) -> (d0, d1, d2)",
+        ],
+        "nomk",
+        {"m": (0, 2), "k": (0, 0), "n": (1, 0)},
+    ),
     "attention_qkt": (
-        ["(d0, d1, d2, d3) -> (d0, d1, d3)", "(d0, d1, d2, d3) -> (d0, d2, d3)",
-         "(d0, d1, d2, d3) -> (d0, d1, d2)"],
-        "bmnk", {"m": (0, 1), "k": (0, 2), "n": (1, 1)}),
+        [
+            "(d0, d1, d2, d3) -> (d0, d1, d3)",
+            "(d0, d1, d2, d3) -> (d0, d2, d3)",
+            "(d0, d1, d2, d3) -> (d0, d1, d2)",
+        ],
+        "bmnk",
+        {"m": (0, 1), "k": (0, 2), "n": (1, 1)},
+    ),
     "attention_batch_matmul": (
-        ["(d0, d1, d2, d3) -> (d0, d1, d3)", "(d0, d1, d2, d3) -> (d0, d3, d2)",
-         "(d0, d1, d2, d3) -> (d0, d1, d2)"],
-        "bmnk", {"m": (0, 1), "k": (0, 2), "n": (1, 2)}),
+        [
+            "(d0, d1, d2, d3) -> (d0, d1, d3)",
+            "(d0, d1, d2, d3) -> (d0, d3, d2)",
+            "(d0, d1, d2, d3) -> (d0, d1, d2)",
+        ],
+        "bmnk",
+        {"m": (0, 1), "k": (0, 2), "n": (1, 2)},
+    ),
 }
 
 # (tile of M and N, tile of K, threads per M and N): 8x8 results per thread at 64.

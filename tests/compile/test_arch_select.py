@@ -41,10 +41,23 @@ def test_real_gpu_preferred_over_lavapipe(monkeypatch, name, arch):
 
 def caps(name, vendor, lo=32, hi=64, coop=False, shared=65536, kind="discrete", fp16=True):
     return VulkanCaps(
-        name=name, vendor_id=vendor, device_id=0x1234, device_type=kind, api_version=(1, 3, 0),
-        subgroup_size=lo, min_subgroup_size=lo, max_subgroup_size=hi, subgroup_shuffle=True,
-        subgroup_arithmetic=True, fp16=fp16, storage16=True, int8=True, cooperative_matrix=coop,
-        shared_memory_bytes=shared, max_invocations=1024, max_storage_buffer_range=1 << 31,
+        name=name,
+        vendor_id=vendor,
+        device_id=0x1234,
+        device_type=kind,
+        api_version=(1, 3, 0),
+        subgroup_size=lo,
+        min_subgroup_size=lo,
+        max_subgroup_size=hi,
+        subgroup_shuffle=True,
+        subgroup_arithmetic=True,
+        fp16=fp16,
+        storage16=True,
+        int8=True,
+        cooperative_matrix=coop,
+        shared_memory_bytes=shared,
+        max_invocations=1024,
+        max_storage_buffer_range=1 << 31,
         extensions=frozenset(),
     )
 

@@ -72,11 +72,24 @@ def caps(**kw):
     from sdiree.runtime.vulkan_caps import VulkanCaps
 
     base = dict(
-        name="AMD Radeon RX 580 Series (RADV POLARIS10)", vendor_id=0x1002, device_id=0x67DF,
-        device_type="discrete", api_version=(1, 3, 0), subgroup_size=64, min_subgroup_size=64,
-        max_subgroup_size=64, subgroup_shuffle=True, subgroup_arithmetic=True, fp16=False,
-        storage16=True, int8=True, cooperative_matrix=False, shared_memory_bytes=65536,
-        max_invocations=1024, max_storage_buffer_range=1 << 31, extensions=frozenset(),
+        name="AMD Radeon RX 580 Series (RADV POLARIS10)",
+        vendor_id=0x1002,
+        device_id=0x67DF,
+        device_type="discrete",
+        api_version=(1, 3, 0),
+        subgroup_size=64,
+        min_subgroup_size=64,
+        max_subgroup_size=64,
+        subgroup_shuffle=True,
+        subgroup_arithmetic=True,
+        fp16=False,
+        storage16=True,
+        int8=True,
+        cooperative_matrix=False,
+        shared_memory_bytes=65536,
+        max_invocations=1024,
+        max_storage_buffer_range=1 << 31,
+        extensions=frozenset(),
     )
     return VulkanCaps(**{**base, **kw})
 
@@ -102,8 +115,12 @@ def gpu_manifest(arch, dtype):
         ("gcn", "fp16", {"fp16": True}, None),
         # an rdna2 module may use subgroups of 32: not on a wave64-only GCN
         ("rdna2", "fp32", {}, "subgroup size 32 \\(it runs 64-64\\).*--arch gcn"),
-        ("rdna3", "fp16", {"min_subgroup_size": 32, "fp16": True, "name": "AMD Radeon (GFX1036)"},
-         "cooperative matrices.*--arch rdna2"),
+        (
+            "rdna3",
+            "fp16",
+            {"min_subgroup_size": 32, "fp16": True, "name": "AMD Radeon (GFX1036)"},
+            "cooperative matrices.*--arch rdna2",
+        ),
     ],
 )
 def test_device_properties_checked(monkeypatch, arch, dtype, props, error):

@@ -104,6 +104,7 @@ def test_devices_lists_lavapipe_as_cpu_implementation():
     assert proc.returncode == 0, proc.stderr
     assert "local-task" in proc.stdout
     assert "llvmpipe" in proc.stdout and "CPU implementation" in proc.stdout
+    assert "cooperative matrix no" in proc.stdout and "runs --arch lavapipe" in proc.stdout
 
 
 def test_vulkan_run_on_lavapipe(compiled, tmp_path):
