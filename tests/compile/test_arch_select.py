@@ -8,7 +8,6 @@ from sdiree.compile import arch_select
 from sdiree.runtime.device import DeviceInfo, list_devices
 from sdiree.runtime.errors import UserError
 from sdiree.runtime.targets import load_registry
-from sdiree.runtime.vulkan_caps import VulkanCaps
 
 VK = load_registry().target("vulkan-spirv")
 LLVMPIPE = DeviceInfo("vulkan", 0, 1, "llvmpipe (LLVM 15.0.6, 256 bits)", "cpu")
@@ -39,27 +38,13 @@ def test_real_gpu_preferred_over_lavapipe(monkeypatch, name, arch):
     assert picked == arch and name in why
 
 
-def caps(name, vendor, lo=32, hi=64, coop=False, shared=65536, kind="discrete", fp16=True):
-    return VulkanCaps(
-        name=name,
-        vendor_id=vendor,
-        device_id=0x1234,
-        device_type=kind,
-        api_version=(1, 3, 0),
-        subgroup_size=lo,
-        min_subgroup_size=lo,
-        max_subgroup_size=hi,
-        subgroup_shuffle=True,
-        subgroup_arithmetic=True,
-        fp16=fp16,
-        storage16=True,
-        int8=True,
-        cooperative_matrix=coop,
-        shared_memory_bytes=shared,
-        max_invocations=1024,
-        max_storage_buffer_range=1 << 31,
-        extensions=frozenset(),
-    )
+def caps(name, vendor, lo=32, hi=64, coop=False, shared=65536):
+    from conftest import fake_vulkan_caps
+
+    return fake_vulkan_caps(
+        name=name, vendor_id=vendor, subgroup_size=lo, min_subgroup_size=lo, max_subgroup_size=hi,
+        cooperative_matrix=coop, shared_memory_bytes=shared,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -69,29 +69,13 @@ def test_find_device_by_index_and_name_here():
 
 
 def caps(**kw):
-    from sdiree.runtime.vulkan_caps import VulkanCaps
+    from conftest import fake_vulkan_caps
 
-    base = dict(
-        name="AMD Radeon RX 580 Series (RADV POLARIS10)",
-        vendor_id=0x1002,
-        device_id=0x67DF,
-        device_type="discrete",
-        api_version=(1, 3, 0),
-        subgroup_size=64,
-        min_subgroup_size=64,
-        max_subgroup_size=64,
-        subgroup_shuffle=True,
-        subgroup_arithmetic=True,
-        fp16=False,
-        storage16=True,
-        int8=True,
-        cooperative_matrix=False,
-        shared_memory_bytes=65536,
-        max_invocations=1024,
-        max_storage_buffer_range=1 << 31,
-        extensions=frozenset(),
-    )
-    return VulkanCaps(**{**base, **kw})
+    polaris = dict(
+        name="AMD Radeon RX 580 Series (RADV POLARIS10)", device_id=0x67DF, subgroup_size=64,
+        min_subgroup_size=64, fp16=False,
+    )  # fmt: skip
+    return fake_vulkan_caps(**{**polaris, **kw})
 
 
 POLARIS = DeviceInfo("vulkan", 0, 1, "AMD Radeon RX 580 Series (RADV POLARIS10) (radv)", "gpu")
