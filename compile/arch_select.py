@@ -26,6 +26,17 @@ def _by_properties(target: Target, name: str) -> tuple[str, str] | None:
     return None
 
 
+def device_without_fp16(target: Target) -> str | None:
+    """The name of the device `--arch auto` picks for, when it reports no fp16 arithmetic or
+    16-bit storage (Polaris on RADV): an fp16 build would be refused there at run time."""
+    if target.driver != "vulkan":
+        return None
+    devices = list_devices(target.driver)
+    real = [d for d in devices if not d.is_cpu_emulation] or devices
+    caps = caps_for(real[0].name) if real else None
+    return real[0].name if caps is not None and not (caps.fp16 and caps.storage16) else None
+
+
 def auto_arch(target: Target) -> tuple[str, str]:
     """(arch, reason) for target on this machine's devices of the target's driver."""
     devices = list_devices(target.driver)

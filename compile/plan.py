@@ -181,6 +181,15 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
     if opts.dtype is None and dtype != target.default_dtype:
         why = target.refusals(arch)[target.default_dtype]
         reporter.say(f"dtype: {dtype}, as {target.default_dtype} is refused for {arch} ({why})")
+    if (opts.arch or target.default_arch) == "auto" and dtype == "fp16":
+        lacking = arch_select.device_without_fp16(target)
+        if lacking and opts.dtype is None and "fp32" in target.usable_dtypes(arch):
+            dtype = "fp32"
+            reporter.say(f"dtype: fp32, as '{lacking}' has no fp16 arithmetic (shaderFloat16)")
+        elif lacking:
+            reporter.say(
+                f"note: '{lacking}' has no fp16 arithmetic: this fp16 build will not run there"
+            )
     missing = target.missing_cpu_features(dtype, arch)
     if missing:
         reporter.say(

@@ -93,3 +93,26 @@ def test_this_machine_picks_lavapipe():
     assert any(d.is_cpu_emulation for d in devices)
     if all(d.is_cpu_emulation for d in devices):
         assert arch_select.auto_arch(VK)[0] == "lavapipe"
+
+
+@pytest.mark.parametrize(
+    "asked,dtype,says", [(None, "fp32", "dtype: fp32, as"), ("fp16", "fp16", "note:")]
+)
+def test_auto_on_a_gpu_without_fp16_compiles_fp32(
+    monkeypatch, tiny_model, tmp_path, asked, dtype, says
+):
+    """Polaris on RADV reports no shaderFloat16: the default fp16 would be refused at run time."""
+    import io
+
+    from sdiree.compile.driver import CompileOptions, resolve
+    from sdiree.compile.report import Reporter
+
+    polaris = caps("AMD Radeon RX 580 Series (RADV POLARIS10)", 0x1002, lo=64)
+    polaris = polaris.__class__(**{**polaris.__dict__, "fp16": False})
+    fake(monkeypatch, [DeviceInfo("vulkan", 0, 2, polaris.name + " (radv)", "gpu")])
+    monkeypatch.setattr(arch_select, "caps_for", lambda name: polaris)
+    log = io.StringIO()
+    opts = CompileOptions(tiny_model, "vulkan-spirv", dtype=asked, out=tmp_path / "a")
+    plan = resolve(opts, Reporter(stream=log))
+    assert plan.arch == "gcn" and plan.dtype == dtype
+    assert says in log.getvalue() and "has no fp16 arithmetic" in log.getvalue()
