@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from vulkan_fakes import fake_vulkan_caps
 
 from sdiree.compile import arch_select
 from sdiree.runtime.device import DeviceInfo, list_devices
@@ -39,8 +40,6 @@ def test_real_gpu_preferred_over_lavapipe(monkeypatch, name, arch):
 
 
 def caps(name, vendor, lo=32, hi=64, coop=False, shared=65536):
-    from conftest import fake_vulkan_caps
-
     return fake_vulkan_caps(
         name=name, vendor_id=vendor, subgroup_size=lo, min_subgroup_size=lo, max_subgroup_size=hi,
         cooperative_matrix=coop, shared_memory_bytes=shared,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from vulkan_fakes import fake_vulkan_caps
 
 from sdiree.runtime import device_select
 from sdiree.runtime.device import DeviceInfo, find_device, list_devices
@@ -69,8 +70,6 @@ def test_find_device_by_index_and_name_here():
 
 
 def caps(**kw):
-    from conftest import fake_vulkan_caps
-
     polaris = dict(
         name="AMD Radeon RX 580 Series (RADV POLARIS10)", device_id=0x67DF, subgroup_size=64,
         min_subgroup_size=64, fp16=False,
