@@ -85,10 +85,6 @@ class VulkanCaps:
         )
 
 
-class _Header(ctypes.Structure):
-    _fields_ = [("sType", ctypes.c_int32), ("pNext", ctypes.c_void_p)]
-
-
 class _AppInfo(ctypes.Structure):
     _fields_ = [
         ("sType", ctypes.c_int32),
