@@ -48,7 +48,6 @@ from sdiree.runtime.fileutil import (
     sha256_json,
     temp_path_for,
 )
-from sdiree.runtime.lora.keys import LORA_COMPONENTS
 from sdiree.runtime.manifest import HASH_CACHE, MANIFEST_NAME, check_files, load_manifest
 from sdiree.runtime.weights.sources import file_sha256
 
@@ -301,12 +300,19 @@ class Builder:
             out.append((path, digest))
         return out
 
-    def link_archives(self, params: list[tuple[Path, str]]) -> list[tuple[Path, str]]:
+    def link_archives(self, params: list[tuple[Path, str]], state: dict) -> list[tuple[Path, str]]:
         """Put the shared archives the runtime loads into the artifact (hardlinks, or copies
-        across filesystems); [(path in the artifact, sha256)]."""
+        across filesystems); [(path in the artifact, sha256)]. A pruned copy of the same
+        archive that a build left there (compile/prune.py) stays: pruning it again reads the
+        full one from the cache."""
+        from .prune import ArchiveUse, is_pruned
+
         linked = []
         for path, digest in params:
             local = self.plan.out / path.name
+            if is_pruned(ArchiveUse(local, path, digest, ""), state, self.intact):
+                linked.append((local, digest))
+                continue
             kept_copy = (  # from an earlier build, where links cannot be made: not copied again
                 local.is_file()
                 and local.stat().st_dev != path.stat().st_dev
@@ -318,6 +324,33 @@ class Builder:
             self.record_digest(path, digest)
             linked.append((local, digest))
         return linked
+
+    def prune_archives(self, results: dict, state: dict) -> dict[str, Path]:
+        """Prune the artifact's original archives to what the encoded ones lack (prune.py);
+        results' archive digests follow. Returns the sidecars {name: path} for the manifest."""
+        from .exporters import scope_for
+        from .prune import ArchiveUse, prune
+
+        out = self.plan.out
+        uses: dict[Path, ArchiveUse] = {}
+        for sub, res in results.items():
+            enc = res.get("encoded")
+            res["vmfb"] = f"{sub}.vmfb"
+            res["loads"] = [(p, scope_for(sub)) for p, _ in res["params"]]
+            if enc:
+                res["loads"].append((out / enc["path"], enc["scope"]))
+            for (local, digest), (source, _) in zip(res["params"], res["sources"], strict=True):
+                use = uses.setdefault(local, ArchiveUse(local, source, digest, scope_for(sub)))
+                use.users.append(sub)
+        scopes = {sub: scope_for(sub) for sub in results}
+        changed = prune(
+            out, list(uses.values()), results, scopes, self.plan.target.driver, state, self.r,
+            self.intact,
+        )  # fmt: skip
+        atomic_write_json(out / BUILD_STATE, state)
+        for res in results.values():
+            res["params"] = [(p, changed.get(p, sha)) for p, sha in res["params"]]
+        return {p.name: p for p in changed if p.suffix == ".json"}
 
     def compile_key(self, submodule: str, mlir: Path, params_shas: list[str]) -> str:
         flags, specs = flags_for(self.plan, submodule)
@@ -350,6 +383,10 @@ class Builder:
             and _encoder_intact(self, prev.get("encoded"))
         ):
             self.r.reused("compile", submodule)
+            enc = prev.get("encoded")
+            if enc and not _layout_tried(enc):  # built before every layout was learned
+                self.add_layout(submodule, enc, [path for path, _ in params])
+                atomic_write_json(self.plan.out / BUILD_STATE, state)
             return prev
         log = out / f"{submodule}.compile.log"
         entry = {"compile_key": key, "flags": flags, "tuning_specs": specs}
@@ -431,12 +468,14 @@ class Builder:
             "sha256": sha256_file(encoder),
             "derived": derived,
         }
-        if submodule in LORA_COMPONENTS:  # what a LoRA re-packs in numpy (weights/repack.py)
-            layout = out / f"{submodule}.layout.json"
-            with self.r.stage("layout", submodule):
-                self.learn_layout(submodule, encoder, archives, derived, encoded, scope, layout)
-            if layout.is_file():
-                enc.update(layout=layout.name, layout_sha256=sha256_file(layout))
+        # what a LoRA re-packs in numpy (weights/repack.py), and what the artifact's pruned
+        # archives are read back by (prune.py)
+        layout = out / f"{submodule}.layout.json"
+        with self.r.stage("layout", submodule):
+            self.learn_layout(submodule, encoder, archives, derived, encoded, scope, layout)
+        enc["layout_tried"] = True
+        if layout.is_file():
+            enc.update(layout=layout.name, layout_sha256=sha256_file(layout))
         return {
             "path": encoded.name,
             "scope": scope,
@@ -444,6 +483,20 @@ class Builder:
             "needs_derived": needs_derived,
             "encoder": enc,
         }
+
+    def add_layout(self, submodule: str, enc: dict, archives: list[Path]) -> None:
+        """Learn the layout of an encoded entry that has none into enc (see learn_layout)."""
+        out = self.plan.out
+        layout = out / f"{submodule}.layout.json"
+        encoder = enc["encoder"]
+        with self.r.stage("layout", submodule):
+            self.learn_layout(
+                submodule, out / encoder["vmfb"], archives, encoder["derived"],
+                out / enc["path"], enc["scope"], layout,
+            )  # fmt: skip
+        encoder["layout_tried"] = True
+        if layout.is_file():
+            encoder.update(layout=layout.name, layout_sha256=sha256_file(layout))
 
     def learn_layout(self, submodule, encoder, archives, derived, encoded, scope, layout):
         """Learn how encoder packs each weight (weights/layout.py) and save it at layout, so a
@@ -537,9 +590,12 @@ def _build(plan: Plan, r: Reporter) -> Path:
         enc = compiled.get("encoded")
         if enc and not enc["needs_derived"]:
             params = params[:1]  # the derived weights are all in the encoded archive
-        results[sub] = {"mlir": mlir, **compiled, "params": b.link_archives(params)}
+        results[sub] = {"mlir": mlir, **compiled, "params": b.link_archives(params, state)}
+        results[sub]["sources"] = params
 
     runtime_files = _copy_runtime_files(plan, r)
+    if plan.target.encode_parameters:
+        runtime_files.update(b.prune_archives(results, state))
     signatures = {sub: b.export_signature(sub) for sub in plan.submodules}
     manifest = build_manifest(b, results, signatures, runtime_files)
     _remove_unlisted_archives(plan.out, manifest["files"])
@@ -591,9 +647,14 @@ def _size(n: int) -> str:
 
 def _remove_unlisted_archives(out: Path, files: dict) -> None:
     """Drop archives an earlier build of this artifact linked in and this one does not use."""
-    for p in out.glob("*.irpa"):
+    for p in [*out.glob("*.irpa"), *out.glob("*.irpa.pruned.json")]:
         if p.name not in files:
             p.unlink(missing_ok=True)
+
+
+def _layout_tried(encoded: dict) -> bool:
+    """Whether the encoder's layout was learned, or tried (none where it cannot be learned)."""
+    return bool(encoded["encoder"].get("layout") or encoded["encoder"].get("layout_tried"))
 
 
 def _up_to_date(b: Builder, state: dict) -> bool:
@@ -613,8 +674,13 @@ def _up_to_date(b: Builder, state: dict) -> bool:
             return False
         if state.get(sub, {}).get("compile_key") != b.compile_key(sub, mlir, b.params_digests(sub)):
             return False
-        if not _encoder_intact(b, state.get(sub, {}).get("encoded")):
+        encoded = state.get(sub, {}).get("encoded")
+        if not _encoder_intact(b, encoded):
             return False
+        if encoded and not _layout_tried(encoded):
+            return False  # learned (and the originals pruned) by a rebuild
+    if plan.target.encode_parameters and "pruned" not in state:
+        return False  # built before the original archives were pruned
     try:  # every file there and whole: by its stamp, or hashed again where that changed
         check_files(manifest, plan.out / HASH_CACHE)
     except UserError:

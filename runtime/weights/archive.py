@@ -2,7 +2,9 @@
 
 sdiree's archives are written by iree-turbine, which stores each tensor's dtype and shape in the
 entry's metadata (`PYTORCH:{"dtype": ..., "shape": [...]}`); the bytes are read through a
-read-only memory map, never copied.
+read-only memory map, never copied. A compiled cpu artifact may keep only part of an archive;
+the keys it dropped stay listed here (`recovered`), read back from the encoded archives
+(weights/recover.py) when asked for.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from .recover import read_sidecar
 
 # torch dtype names (as iree-turbine records them) -> numpy dtypes
 _DTYPES = {
@@ -43,6 +47,7 @@ class Entry:
     dtype: np.dtype | None  # None: no (readable) metadata
     shape: tuple[int, ...] | None
     splat: bytes | None = None  # the repeated pattern of a splat entry (no file bytes)
+    recovered: bool = False  # not in the file: read back from the encoded archives
 
 
 class Archive:
@@ -65,16 +70,41 @@ class Archive:
                 entry = Entry(key, int(e.file_storage[1]), int(e.length), dtype, shape)
             self.entries[key] = entry
         self._map: np.memmap | None = None
+        self._recoverer = None
+        pruned = read_sidecar(self.path)
+        if pruned is not None:
+            keys, self._recoverer = pruned
+            for key, (shape, dtype) in keys.items():
+                if key not in self.entries:
+                    d = numpy_dtype(dtype)
+                    n = int(np.prod(shape, dtype=np.int64)) * d.itemsize
+                    self.entries[key] = Entry(key, -1, n, d, shape, recovered=True)
 
     def raw(self, key: str):
-        """The ParameterIndexEntry of key (its file handle is this archive's mapping)."""
+        """The ParameterIndexEntry of key (its file handle is this archive's mapping); only
+        for keys the file holds (not `recovered`)."""
         return self._raw[key]
 
+    def read_back(self, key: str, shape, dtype) -> np.ndarray | None:
+        """key (listed or not: a derived weight) read back from the encoded archives of a
+        pruned archive's sidecar, exactly as they hold it; None where none holds it."""
+        if self._recoverer is None:
+            return None
+        try:
+            return self._recoverer.array(key, tuple(shape), np.dtype(dtype))
+        except KeyError:
+            return None
+
     def array(self, key: str) -> np.ndarray:
-        """The tensor as a read-only array over the file (no copy)."""
+        """The tensor as a read-only array over the file (no copy; a `recovered` one is read
+        back into memory)."""
         e = self.entries[key]
         if e.dtype is None or e.shape is None:
             raise ValueError(f"{self.path.name}: {key} has no dtype/shape metadata")
+        if e.recovered:
+            w = self._recoverer.array(key, e.shape, e.dtype)
+            w.flags.writeable = False
+            return w
         if e.splat is not None:
             one = np.frombuffer(e.splat, e.dtype)
             return np.broadcast_to(one[0], e.shape)

@@ -160,11 +160,18 @@ class LoadedWeights:
                     _add_array(index, key, winograd_weight(weight(base), e.shape[0]), keep)
                 elif e.splat is not None:
                     index.add_splat(key, np.frombuffer(e.splat, np.uint8).copy(), e.length)
+                elif e.recovered:  # the artifact dropped it: read back from the encoded
+                    _add_array(index, key, archive.array(key), keep)
                 else:
                     handle, offset = archive.raw(key).file_storage
                     index.add_from_file_handle(key, handle, e.length, offset)
-        for key, (shape, _dtype) in derived.items():
-            u = winograd_weight(weight(base_key(key)), shape[0])
+        for key, (shape, dtype) in derived.items():
+            base, u = base_key(key), None
+            if base not in replaced:  # unchanged: as the compile encoded it, where kept so
+                u = next((x for a in originals if (x := a.read_back(key, shape, dtype)) is not None),
+                         None)  # fmt: skip
+            if u is None:
+                u = winograd_weight(weight(base), shape[0])
             if u.shape != shape:
                 raise UserError(
                     f"{self.manifest.root}: derived weight {key} should be {list(shape)}, the "

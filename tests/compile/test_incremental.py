@@ -15,9 +15,9 @@ from pathlib import Path
 
 from sdiree.compile.driver import CompileOptions, compile_model
 from sdiree.compile.report import Reporter
-from sdiree.runtime.lora.keys import LORA_COMPONENTS
 from sdiree.runtime.manifest import check_files, load_manifest
 from sdiree.runtime.targets import default_specs_dir
+from sdiree.runtime.weights.recover import sidecar_path
 
 DATA = Path(__file__).parent / "data"
 
@@ -43,11 +43,19 @@ def test_recompile_is_a_noop(compiled):
     assert before == {p.name: p.stat().st_mtime_ns for p in out.glob("*.vmfb")}
 
 
-def recompiled(submodule: str) -> set:
-    """The stages a cpu flag or spec change reruns: the compile and, since the weights' repack
-    depends on it, the parameter encoder and (for what a LoRA changes) learning its layout."""
-    layout = {("layout", submodule)} if submodule in LORA_COMPONENTS else set()
-    return {("compile", submodule), ("encode", submodule), *layout}
+def recompiled(out: Path, submodule: str, ran: set) -> bool:
+    """Whether ran is what a cpu flag or spec change reruns: the compile and, since the
+    weights' repack depends on it, the parameter encoder and learning its layout; and pruning
+    the original archives the submodule loads where its vmfb changed (the keys it names)."""
+    m = load_manifest(out)
+    core = {("compile", submodule), ("encode", submodule), ("layout", submodule)}
+    pruned = {
+        ("prune", Path(path).name)
+        for path, _ in m.submodules[submodule].archives()
+        if sidecar_path(m.path(path)).is_file()
+    }
+    assert pruned, f"{submodule}'s original archives were not pruned"
+    return core <= ran - {("hash", "model")} <= core | pruned
 
 
 def _specs_copy(tmp_path) -> Path:
@@ -64,7 +72,7 @@ def _flag_change_recompiles_only(model, out, tmp_path, submodule: str, other: st
     reg["targets"]["cpu"]["submodule_flags"][submodule] = ["--iree-opt-strip-assertions=true"]
     (specs / "targets.json").write_text(json.dumps(reg))
     ran, _ = recompile(model, out, specs)
-    assert ran - {("hash", "model")} == recompiled(submodule)
+    assert recompiled(out, submodule, ran), ran
     m = load_manifest(out)
     check_files(m)
     assert "--iree-opt-strip-assertions=true" in m.data["submodules"][submodule]["flags"]
@@ -84,14 +92,14 @@ def test_changed_flag_or_spec_recompiles_only_what_it_touches(compiled, tmp_path
     reg["targets"]["cpu"]["tuning_specs"]["text_encoder"] = "tuning/test_te.mlir"
     (specs / "targets.json").write_text(json.dumps(reg))
     ran, _ = recompile(compiled.model, out, specs)
-    assert ran - {("hash", "model")} == recompiled("text_encoder")
+    assert recompiled(out, "text_encoder", ran), ran
     spec_hashes = load_manifest(out).data["submodules"]["text_encoder"]["tuning_specs"]
     assert list(spec_hashes) == ["tuning/test_te.mlir"]
 
     with open(specs / "tuning" / "test_te.mlir", "a") as f:
         f.write("// changed\n")
     ran, _ = recompile(compiled.model, out, specs)
-    assert ran - {("hash", "model")} == recompiled("text_encoder")
+    assert recompiled(out, "text_encoder", ran), ran
     assert load_manifest(out).data["submodules"]["text_encoder"]["tuning_specs"] != spec_hashes
 
 

@@ -1,0 +1,204 @@
+"""Drop from an artifact the original weights that its encoded archives already hold.
+
+With encoded parameters (cpu) a module loads by name only the few original tensors that no
+encoder consumes (norms, biases); every other weight reaches it packed, from
+`<submodule>.encoded.irpa`. Keeping the whole original archive beside the packed copies
+doubles the disk (SD 1.5: 5.5 GB of 13.8). So, for each archive of a scope whose every
+encoded submodule has a complete learned layout, the artifact keeps:
+- the keys a module names (their bytes appear in one of the vmfbs that load the archive: an
+  upper bound, a key that merely looks named is kept too);
+- any key the layouts cannot give back as it was (checked here against the original: exactly
+  for a packed copy, within 1e-5 of the largest magnitude for a Winograd inverse);
+and lists the rest in `<archive>.pruned.json`, which the runtime's Archive reads back from the
+encoded archives (sdiree.runtime.weights.recover) when a LoRA, `--weights` or an embedding
+needs them. The pruned archive is proven to load: every module that reads it is loaded with it
+before it replaces the full one. The compile cache keeps the full archive (a hardlink in the
+artifact before), so recompiles read from there.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from sdiree.runtime.fileutil import (
+    atomic_write_json,
+    link_or_copy,
+    sha256_file,
+    sha256_json,
+    temp_path_for,
+)
+from sdiree.runtime.weights.archive import Archive
+from sdiree.runtime.weights.layout import Layout
+from sdiree.runtime.weights.pages import release_pages
+from sdiree.runtime.weights.recover import FORMAT_VERSION, Recoverer, sidecar_path
+
+STATE_KEY = "pruned"  # in the build state: {archive name: {"key", "from", "sha256", "sidecar"}}
+# a Winograd weight read back by the pseudo-inverse: within this share of its largest magnitude
+WINOGRAD_TOLERANCE = 1e-5
+
+
+@dataclass
+class ArchiveUse:
+    """One original archive an artifact links in: where it is, where its full copy is."""
+
+    local: Path
+    source: Path
+    digest: str  # sha256 of the full archive
+    scope: str
+    users: list[str] = field(default_factory=list)  # submodules that load it
+
+
+def _sources(out: Path, results: dict, scope: str, scopes: dict) -> list[dict] | None:
+    """[{"encoded", "layout"}] of every submodule of scope, or None when one lacks an encoded
+    archive or a complete layout (then nothing of the scope can be read back)."""
+    found = []
+    for sub in (s for s, sc in scopes.items() if sc == scope):
+        enc = results[sub].get("encoded")
+        layout = enc and enc["encoder"].get("layout")
+        if not layout:
+            return None
+        learned = Layout.load(out / layout)
+        if learned is None or not learned.complete:
+            return None
+        found.append({"encoded": enc["path"], "layout": layout})
+    return found or None
+
+
+def _prune_key(use: ArchiveUse, results: dict, sources: list[dict]) -> str:
+    by_file = {r["encoder"]["layout"]: r for r in (results[s].get("encoded") for s in results) if r}
+    return sha256_json(
+        {
+            "version": FORMAT_VERSION,
+            "from": use.digest,
+            "vmfbs": sorted(results[u]["vmfb_sha256"] for u in use.users),
+            "sources": [
+                [s["encoded"], by_file[s["layout"]]["sha256"], by_file[s["layout"]]["encoder"][
+                    "layout_sha256"]]
+                for s in sources
+            ],
+        }
+    )  # fmt: skip
+
+
+def is_pruned(use: ArchiveUse, state: dict, intact) -> bool:
+    """Whether the artifact already holds a pruned copy of use's full archive, intact."""
+    rec = state.get(STATE_KEY, {}).get(use.local.name)
+    return bool(
+        rec
+        and rec.get("from") == use.digest
+        and intact(use.local, rec["sha256"])
+        and intact(sidecar_path(use.local), rec["sidecar"])
+    )
+
+
+def prune(out: Path, uses: list[ArchiveUse], results: dict, scopes: dict, driver: str, state: dict,
+          report, intact) -> dict[Path, str]:  # fmt: skip
+    """Prune each archive of uses that can be; {artifact path: sha256} of what changed (the
+    pruned archives and their sidecars). `scopes`: {submodule: its weights' scope}."""
+    done = state.setdefault(STATE_KEY, {})
+    changed: dict[Path, str] = {}
+    for use in uses:
+        sources = _sources(out, results, use.scope, scopes)
+        if sources is None:
+            _keep_whole(use, done, intact)
+            continue
+        key = _prune_key(use, results, sources)
+        rec = done.get(use.local.name)
+        if rec and rec.get("key") == key and is_pruned(use, state, intact):
+            report.reused("prune", use.local.name)
+            changed[use.local] = rec["sha256"]
+            changed[sidecar_path(use.local)] = rec["sidecar"]
+            continue
+        with report.stage("prune", use.local.name):
+            kept = _prune_one(out, use, results, sources, driver, report)
+        if kept is None:  # nothing to drop, or the pruned archive did not load
+            _keep_whole(use, done, intact)
+            continue
+        done[use.local.name] = {"key": key, "from": use.digest, **kept}
+        changed[use.local] = kept["sha256"]
+        changed[sidecar_path(use.local)] = kept["sidecar"]
+    return changed
+
+
+def _keep_whole(use: ArchiveUse, done: dict, intact) -> None:
+    """The artifact holds use's full archive (a pruned copy an earlier build left goes)."""
+    done.pop(use.local.name, None)
+    sidecar_path(use.local).unlink(missing_ok=True)
+    if not intact(use.local, use.digest):
+        link_or_copy(use.source, use.local)
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> bool:
+    if np.array_equal(got, want):
+        return True
+    if got.shape != want.shape or not np.issubdtype(want.dtype, np.floating):
+        return False
+    w = np.asarray(want, np.float64)
+    scale = float(np.abs(w).max()) if w.size else 0.0
+    return bool(np.abs(np.asarray(got, np.float64) - w).max() <= WINOGRAD_TOLERANCE * scale)
+
+
+def _prune_one(out: Path, use: ArchiveUse, results: dict, sources: list[dict], driver: str,
+               report) -> dict | None:  # fmt: skip
+    from .param_encoder import loads_with
+
+    full = Archive(use.source)
+    named = b"".join((out / results[u]["vmfb"]).read_bytes() for u in use.users)
+    recoverer = Recoverer(out, sources)
+    dropped: dict[str, dict] = {}
+    for key, e in full.entries.items():
+        if key.encode() in named or e.splat is not None or e.dtype is None or e.shape is None:
+            continue
+        try:
+            got = recoverer.array(key, e.shape, e.dtype)
+        except KeyError:
+            continue
+        want = full.array(key)
+        if _close(got, want):
+            dropped[key] = {"shape": list(e.shape), "dtype": e.dtype.name}
+        release_pages(want)  # one pass over GBs of mapped weights: keep the RSS to one tensor
+    del recoverer
+    if not dropped:
+        return None
+    tmp = temp_path_for(use.local)
+    try:
+        _write_subset(full, [k for k in full.entries if k not in dropped], tmp)
+        for user in use.users:
+            archives = [(use.scope if p == use.local else s, tmp if p == use.local else p)
+                        for p, s in results[user]["loads"]]  # fmt: skip
+            if not loads_with(out / results[user]["vmfb"], archives, driver):
+                report.say(f"[prune {use.local.name}] {user} does not load without the dropped "
+                           "weights: kept whole")  # fmt: skip
+                return None
+        sidecar = sidecar_path(use.local)
+        atomic_write_json(sidecar, {"version": FORMAT_VERSION, "keys": dropped, "from": sources})
+        os.replace(tmp, use.local)  # the sidecar first: a full archive beside it is still right
+    finally:
+        tmp.unlink(missing_ok=True)
+    kept_bytes = sum(e.length for k, e in full.entries.items() if k not in dropped)
+    all_bytes = sum(e.length for e in full.entries.values())
+    report.say(
+        f"[prune {use.local.name}] {len(dropped)} of {len(full.entries)} weights read back from "
+        f"the encoded archives: {all_bytes / 1e9:.3f} -> {kept_bytes / 1e9:.3f} GB kept"
+    )
+    return {"sha256": sha256_file(use.local), "sidecar": sha256_file(sidecar)}
+
+
+def _write_subset(full: Archive, keys: list[str], path: Path) -> None:
+    """An archive at path with `keys` of full, bytes and metadata as they are there."""
+    import iree.runtime as rt
+
+    index = rt.ParameterIndex()
+    data = np.memmap(full.path, np.uint8, mode="r")
+    for key in keys:
+        e, raw = full.entries[key], full.raw(key)
+        meta = bytes(raw.metadata or b"").decode("utf-8", "replace") or None
+        if e.splat is not None:
+            index.add_splat(key, np.frombuffer(e.splat, np.uint8).copy(), e.length, metadata=meta)
+        else:
+            index.add_buffer(key, np.array(data[e.offset : e.offset + e.length]), metadata=meta)
+    index.create_archive_file(str(path))

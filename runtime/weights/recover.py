@@ -1,0 +1,121 @@
+"""Weights an artifact does not keep, read back from its encoded (pre-packed) archives.
+
+On cpu every weight reaches the modules through the encoded archives (data-tiled copies, and
+3x3 convolutions Winograd-transformed); the original-weight archives are then read by nothing
+in a plain run, only by what derives new weights from the old (`--lora`, a partial
+`--weights`, the embeddings' token table). The compile therefore keeps of an original archive
+only the keys a module loads by name, and lists the rest, with their shapes and dtypes, in a
+sidecar `<archive>.pruned.json` (compile/prune.py). Each listed key is read back here from a
+packed copy described by the encoder's learned layout (weights/layout.py): a packed copy is a
+strided view of the zero-padded weight, so it is unpacked exactly; a 3x3 weight kept only as
+its Winograd transform U = G g G^T is recovered as g = K+ U (K = kron(G, G), K+ its
+pseudo-inverse), within a few float32 ulps. The compile checks every listed key this way
+against the original before it drops it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .layout import Layout, Region
+from .pages import entry_views, release_pages
+from .winograd import WINOGRAD, WINOGRAD_PARAM
+
+SIDECAR_SUFFIX = ".pruned.json"
+FORMAT_VERSION = 1
+
+
+def sidecar_path(archive: Path) -> Path:
+    return archive.with_name(archive.name + SIDECAR_SUFFIX)
+
+
+def unpack(region: Region, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(weight, covered) from region's packed copy `data` (flat, the weight's dtype): the
+    weight of shape region.shape, and a mask of the elements the copy holds."""
+    padded = region.padded()
+    counts = [c for _, _, c in region.levels]
+    out = np.zeros(padded, data.dtype)
+    seen = np.zeros(padded, np.bool_)
+    for arr, value in ((out, data.reshape(counts)), (seen, True)):
+        strides = [arr.strides[d] * step for d, step, _ in region.levels]
+        view = np.lib.stride_tricks.as_strided(arr, counts, strides, writeable=True)
+        view[...] = value
+    inner = tuple(slice(0, s) for s in region.shape)
+    return out[inner], seen[inner]
+
+
+def winograd_inverse(u: np.ndarray) -> np.ndarray:
+    """The [O, C, 3, 3] weight g of a Winograd-transformed one u = [(m+2)^2, C, O] (see
+    winograd.winograd_weight), in float64, in u's dtype."""
+    taps, c, o = u.shape
+    t = round(taps**0.5)
+    g = np.asarray(WINOGRAD[t - 2][1], np.float64)
+    k_inv = np.linalg.pinv(np.kron(g, g))  # [9, t*t]
+    w = k_inv @ np.asarray(u, np.float64).reshape(taps, c * o)
+    return (
+        np.ascontiguousarray(w.reshape(9, c, o).transpose(2, 1, 0))
+        .reshape(o, c, 3, 3)
+        .astype(u.dtype)
+    )
+
+
+class Recoverer:
+    """Reads keys back from the encoded archives and layouts a sidecar names."""
+
+    def __init__(self, root: Path, sources: list[dict]):
+        self.root = Path(root)
+        self.sources = sources  # [{"encoded": file, "layout": file}], relative to root
+        self._loaded: list[tuple[Layout, dict[str, np.ndarray], dict]] | None = None
+
+    def _load(self) -> list:
+        if self._loaded is None:
+            self._loaded = []
+            for s in self.sources:
+                layout = Layout.load(self.root / s["layout"])
+                if layout is None:
+                    raise ValueError(f"{self.root / s['layout']}: not a readable layout")
+                views = entry_views(self.root / s["encoded"])
+                self._loaded.append((layout, views, layout.regions_of()))
+        return self._loaded
+
+    def _packed(self, key: str, dtype: np.dtype) -> np.ndarray | None:
+        """key's weight unpacked from the first packed copy that holds all of it."""
+        for layout, views, by_param in self._load():
+            if key in layout.unverified:
+                continue
+            for entry, region in by_param.get(key, ()):
+                n = region.size() * dtype.itemsize
+                data = views[entry][region.offset : region.offset + n].view(dtype)
+                w, covered = unpack(region, data)
+                release_pages(views[entry], region.offset, region.offset + n)  # read once
+                if covered.all():
+                    return w
+        return None
+
+    def array(self, key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """The weight key (shape, dtype), read back; KeyError when no layout holds it."""
+        w = self._packed(key, dtype)
+        if w is not None:
+            return w.reshape(shape)
+        if key.endswith(".weight") and len(shape) == 4 and shape[2:] == (3, 3):
+            u = self._packed(key[: -len("weight")] + WINOGRAD_PARAM, dtype)
+            if u is not None:
+                taps = u.size // (shape[0] * shape[1])
+                return winograd_inverse(u.reshape(taps, shape[1], shape[0]))
+        raise KeyError(key)
+
+
+def read_sidecar(archive: Path) -> tuple[dict[str, tuple[tuple[int, ...], str]], Recoverer] | None:
+    """({key: (shape, dtype name)} the archive at path lacks, their Recoverer), or None when
+    the archive is whole (no sidecar)."""
+    path = sidecar_path(Path(archive))
+    if not path.is_file():
+        return None
+    d = json.loads(path.read_text())
+    if d.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: sidecar version {d.get('version')}, expected {FORMAT_VERSION}")
+    keys = {k: (tuple(v["shape"]), v["dtype"]) for k, v in d["keys"].items()}
+    return keys, Recoverer(path.parent, d["from"])

@@ -1,0 +1,100 @@
+"""compile/prune.py: a cpu artifact keeps of its original weights only what the encoded
+archives lack, and runs exactly as it would with all of them.
+
+On the tiny model's cpu artifact: every original archive is pruned (sidecar listed in the
+manifest), the keys it dropped read back equal to the compile cache's full archive (bit for
+bit, Winograd-only 3x3 weights within float32 rounding), an image is bit-identical to the same
+artifact given its full archives back, and a GPU-style artifact (nothing encoded) keeps its
+archives whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from sdiree.runtime.device_select import choose_device
+from sdiree.runtime.fileutil import sha256_file
+from sdiree.runtime.manifest import HASH_CACHE, load_manifest
+from sdiree.runtime.pipeline import GenerationRequest, Text2Image, resolve_request
+from sdiree.runtime.session import Session
+from sdiree.runtime.text_inputs import TOKEN_TABLE
+from sdiree.runtime.weights.archive import Archive
+from sdiree.runtime.weights.recover import sidecar_path
+
+ORIGINALS = ("text_encoder.irpa", "unet.irpa", "vae.irpa", "vae.winograd4.irpa")
+
+
+def _full(art: Path, name: str) -> Path:
+    """The compile cache's full archive that art's pruned `name` came from (by its digest)."""
+    digest = json.loads((art / ".build-state.json").read_text())["pruned"][name]["from"]
+    cache = Path(os.environ["SDIREE_CACHE"])
+    found = [
+        p
+        for p in cache.glob(f"*/params/*/{name}")
+        if json.loads(p.with_suffix(".irpa.sha256").read_text())["sha256"] == digest
+    ]
+    assert found, name
+    return found[0]
+
+
+def _image(art):
+    m = load_manifest(art)
+    info, _ = choose_device(m, None)
+    req = resolve_request(m, GenerationRequest(prompt="a red boat", steps=3, seed=11))
+    return Text2Image(m, Session(m, info, Text2Image.SUBMODULES)).generate(req).images
+
+
+def test_the_cpu_artifact_keeps_only_what_its_encoded_archives_lack(compiled):
+    art = compiled.get("cpu", "host", "fp32")
+    files = load_manifest(art).data["files"]
+    for name in ORIGINALS:
+        sidecar = sidecar_path(art / name)
+        assert files.get(sidecar.name) == sha256_file(sidecar), name
+        assert files[name] == sha256_file(art / name)
+        full, pruned = Archive(_full(art, name)), Archive(art / name)
+        assert set(pruned.entries) == set(full.entries)
+        dropped = [k for k, e in pruned.entries.items() if e.recovered]
+        # the token table is read by the runtime, not by a module: it stays
+        kept = [k for k in pruned.entries if k not in dropped and not k.endswith(TOKEN_TABLE)]
+        kept_bytes = sum(full.entries[k].length for k in kept)
+        assert kept_bytes < 0.2 * sum(e.length for e in full.entries.values()), name
+        for key in dropped:
+            want, got = full.array(key), pruned.array(key)
+            if key.endswith("conv.weight") or want.shape[2:] == (3, 3):
+                assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), key
+            else:
+                np.testing.assert_array_equal(got, want, err_msg=key)
+        # the big weights are the ones dropped
+        big = [k for k, e in full.entries.items()
+               if e.length >= 4096 and k.endswith("weight") and not k.endswith(TOKEN_TABLE)]  # fmt: skip
+        assert set(big) <= set(dropped), name
+
+
+def test_a_pruned_artifact_makes_the_image_its_full_archives_make(compiled, tmp_path):
+    art = compiled.get("cpu", "host", "fp32")
+    whole = tmp_path / "whole"
+    shutil.copytree(art, whole)
+    data = json.loads((whole / "manifest.json").read_text())
+    for name in ORIGINALS:
+        shutil.copyfile(_full(art, name), whole / name)
+        sidecar_path(whole / name).unlink()
+        data["files"].pop(sidecar_path(whole / name).name)
+        data["files"][name] = sha256_file(whole / name)
+    (whole / "manifest.json").write_text(json.dumps(data))
+    (whole / HASH_CACHE).unlink()
+    assert not any(e.recovered for e in Archive(whole / "unet.irpa").entries.values())
+    np.testing.assert_array_equal(_image(art), _image(whole))
+
+
+def test_an_artifact_without_encoded_weights_keeps_its_archives_whole(compiled):
+    art = compiled.get("vulkan-spirv", "lavapipe", "fp32")
+    assert not list(art.glob("*.pruned.json"))
+    cpu = compiled.get("cpu", "host", "fp32")
+    full = Archive(_full(cpu, "unet.irpa"))
+    assert not any(e.recovered for e in Archive(art / "unet.irpa").entries.values())
+    assert Archive(art / "unet.irpa").entries.keys() == full.entries.keys()
