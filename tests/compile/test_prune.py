@@ -69,10 +69,13 @@ def test_the_cpu_artifact_keeps_only_what_its_encoded_archives_lack(compiled):
                 assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), key
             else:
                 np.testing.assert_array_equal(got, want, err_msg=key)
-        # the big weights are the ones dropped
+        # a big weight kept is one a module names (or whose name starts another's it names:
+        # `conv.weight` in `conv.weight_winograd`, the upper bound prune.py keeps)
+        named = b"".join(v.read_bytes() for v in art.glob("*.vmfb"))
         big = [k for k, e in full.entries.items()
                if e.length >= 4096 and k.endswith("weight") and not k.endswith(TOKEN_TABLE)]  # fmt: skip
-        assert set(big) <= set(dropped), name
+        assert all(k in dropped or k.encode() in named for k in big), name
+        assert len(set(big) & set(dropped)) >= 0.8 * len(big), name
 
 
 def test_a_pruned_artifact_makes_the_image_its_full_archives_make(compiled, tmp_path):
