@@ -251,7 +251,9 @@ EXPORT_CHOICES = {
     "attention": ("sdpa", "decomposed", "chunked"),
     "conv": ("native", "matmul", "winograd", "winograd4", "pointwise_einsum"),
 }
-UNET_ONLY_EXPORT = "winograd4_min_side"  # a positive integer, in submodule_export.unet only
+# positive integers, in submodule_export.unet only: F(4x4) from this input side; plain matmuls
+# where the input side is at most the latent's / this
+UNET_ONLY_EXPORT = ("winograd4_min_side", "plain_from_downscale")
 KIND_NAMES = {
     "int": "an integer",
     "str": "a string",
@@ -311,15 +313,15 @@ class _Checker:
 
     def export(self, choices: dict, where: str, unet: bool, nullable: bool = False) -> None:
         for key, value in choices.items():
-            if value is None and nullable and (key in EXPORT_CHOICES or key == UNET_ONLY_EXPORT):
+            if value is None and nullable and (key in EXPORT_CHOICES or key in UNET_ONLY_EXPORT):
                 continue
-            if key == UNET_ONLY_EXPORT and unet:
+            if key in UNET_ONLY_EXPORT and unet:
                 if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
                     self.fail(f"{where}.{key}", f"must be a positive integer, not {value!r:.60}")
-            elif key == UNET_ONLY_EXPORT:
+            elif key in UNET_ONLY_EXPORT:
                 self.fail(f"{where}.{key}", "applies to the unet only (submodule_export.unet)")
             elif key not in EXPORT_CHOICES:
-                known = [*EXPORT_CHOICES, UNET_ONLY_EXPORT]
+                known = [*EXPORT_CHOICES, *UNET_ONLY_EXPORT]
                 self.fail(f"{where}.{key}", f"is not a known export choice ({', '.join(known)})")
             elif value not in EXPORT_CHOICES[key]:
                 self.fail(

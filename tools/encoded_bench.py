@@ -86,6 +86,12 @@ def main(argv=None) -> int:
                 print(row, flush=True)
         same = all(np.array_equal(outs[0], o) for o in outs.values())
     print(f"outputs bit-identical across artifacts: {same}")
+    for i, o in outs.items():  # other numerics (e.g. another conv lowering): how far apart
+        if i and not np.array_equal(outs[0], o):
+            d = np.abs(o.astype(np.float64) - outs[0])
+            scale = float(np.abs(outs[0]).max())
+            print(f"{a.artifacts[i]} vs {a.artifacts[0]}: max |diff| {d.max():.3g} "
+                  f"({d.max() / scale:.3g} of the max), rms {np.sqrt((d**2).mean()):.3g}")  # fmt: skip
     if a.json:
         a.json.write_text(json.dumps({"rows": rows, "bit_identical": same}, indent=2))
     return 0

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from sdiree.runtime.targets import UNET_ONLY_EXPORT
+
 # Bump when an exporter traces a different graph for the same model and choices (it is part of
 # the MLIR cache key). 2: Winograd weights computed at export, as parameters of their own;
 # 3: Winograd transforms with fewer traced ops; 4: GroupNorm in float32 for half precision, and
@@ -90,10 +92,12 @@ def plan_for(builder, submodule: str):
             attention=attention,
             conv=conv,
             winograd4_min_side=options.get("winograd4_min_side"),
+            plain_from_downscale=options.get("plain_from_downscale"),
             added_conditioning=added_conditioning(p),
         )
-    if "winograd4_min_side" in options:
-        raise ValueError(f"export option winograd4_min_side applies to the unet, not {submodule}")
+    for key in UNET_ONLY_EXPORT:
+        if key in options:
+            raise ValueError(f"export option {key} applies to the unet, not {submodule}")
     vae_plan = plan_vae_decoder if submodule == "vae_decoder" else plan_vae_encoder
     # The whole image, or one entry function per tile shape (compile/plan.py); the main
     # function keeps its name, the others are named for their input's height and width.

@@ -174,7 +174,12 @@ def convs_as_matmuls(model: torch.nn.Module, conv: str = "matmul", tiles=None) -
     for m in model.modules():
         if isinstance(m, torch.nn.Conv2d) and _supported(m):
             tile = (tiles or {}).get(m)
-            lowering = forward if tile is None else functools.partial(conv2d_winograd, m=tile)
+            if tile is None:
+                lowering = forward
+            elif tile == 0:  # plain, by the tiles' choice
+                lowering = conv2d_as_matmul
+            else:
+                lowering = functools.partial(conv2d_winograd, m=tile)
             m.forward = types.MethodType(lowering, m)
             count += 1
     return count
@@ -201,11 +206,21 @@ def conv_input_sides(model: torch.nn.Module, run) -> dict[torch.nn.Conv2d, int]:
     return sides
 
 
-def tiles_by_side(sides: dict, small: int, large: int, min_side: int) -> dict:
-    """{conv: tile}: the large tile where the conv's input side is at least min_side. Large
+def tiles_by_side(
+    sides: dict, small: int, large: int, min_side: int | None, plain_max_side: int = 0
+) -> dict:
+    """{conv: tile}: the large tile where the conv's input side is at least min_side, none (0:
+    a plain im2col matmul) where it is at most plain_max_side, the small one between. Large
     inputs are where a bigger tile pays: its saving grows with the activations, while its cost
-    (transformed weights (m+2)^2/9 the 3x3 weights) does not."""
-    return {conv: large if side >= min_side else small for conv, side in sides.items()}
+    (transformed weights (m+2)^2/9 the 3x3 weights) does not; on the smallest inputs even
+    F(2x2)'s 16/9 is more weight memory than its multiplies save."""
+
+    def tile(side: int) -> int:
+        if side <= plain_max_side:
+            return 0
+        return large if min_side is not None and side >= min_side else small
+
+    return {conv: tile(side) for conv, side in sides.items()}
 
 
 def _eligible_3x3(mod) -> bool:
@@ -221,6 +236,8 @@ def add_winograd_weights(model: torch.nn.Module, m: int = WINOGRAD_TILE, tiles=N
         if not _eligible_3x3(mod):
             continue
         tile = (tiles or {}).get(mod, m)
+        if tile == 0:  # this conv runs as a plain matmul: no transformed weight
+            continue
         have = getattr(mod, WINOGRAD_PARAM, None)
         if have is not None and have.shape[0] != (tile + 2) ** 2:
             # The VAE's decoder and encoder share one model and one derived-weights archive.

@@ -83,13 +83,16 @@ def plan_unet(
     attention: str,
     conv: str = "native",
     winograd4_min_side: int | None = None,
+    plain_from_downscale: int | None = None,
     added_conditioning: dict[str, int] | None = None,
 ) -> ExportPlan:
     channels = unet.config.in_channels
     out_channels = unet.config.out_channels
     h, w = latent_hws[0]  # the main size; the others get functions named for their latents
     tiles = None
-    if winograd4_min_side:  # F(4x4) where a conv's input is large, the conv choice's tile elsewhere
+    # F(4x4) where a conv's input is large, a plain matmul where it is at most the latent's
+    # side / plain_from_downscale, the conv choice's tile elsewhere
+    if winograd4_min_side or plain_from_downscale:
         sides = conv_input_sides(
             unet,
             lambda: unet(
@@ -100,7 +103,8 @@ def plan_unet(
             ),
         )
         small, large = WINOGRAD_TILES.get(conv, 0), WINOGRAD_TILES["winograd4"]
-        tiles = tiles_by_side(sides, small, large, winograd4_min_side)
+        plain = min(h, w) // plain_from_downscale if plain_from_downscale else 0
+        tiles = tiles_by_side(sides, small, large, winograd4_min_side, plain)
     set_attention(unet, attention)
     cat_text_time_embedding(unet)
     derived = set_conv_lowering(unet, conv, tiles)
@@ -156,6 +160,11 @@ def plan_unet(
             for hw in latent_hws
             for f in (spec(denoise_cfg, 2 * batch, hw), spec(denoise, batch, hw))
         ],
-        options={"attention": attention, "conv": conv, "winograd4_min_side": winograd4_min_side},
+        options={
+            "attention": attention,
+            "conv": conv,
+            "winograd4_min_side": winograd4_min_side,
+            "plain_from_downscale": plain_from_downscale,
+        },
         derived=derived,
     )

@@ -128,6 +128,14 @@ CASES = {
         _cpu(lambda t: t["submodule_export"]["unet"].__setitem__("winograd4_min_side", "32")),
         "winograd4_min_side must be a positive integer, not '32'",
     ),
+    "plain-from-downscale-zero": (
+        _cpu(lambda t: t["submodule_export"]["unet"].__setitem__("plain_from_downscale", 0)),
+        "plain_from_downscale must be a positive integer, not 0",
+    ),
+    "plain-from-downscale-for-the-vae": (
+        _cpu(lambda t: t["submodule_export"]["vae_decoder"].__setitem__("plain_from_downscale", 8)),
+        "plain_from_downscale applies to the unet only",
+    ),
     "encode-parameters-a-string": (
         _cpu(lambda t: t.__setitem__("encode_parameters", "yes")),
         "targets.cpu.encode_parameters must be true or false",

@@ -217,3 +217,38 @@ def test_winograd4_min_side_gives_large_inputs_f4_and_names_the_mix():
             tiny_unet(16), batch=1, latent_hws=[(16, 16)], text_len=5, text_dim=16,
             dtype=torch.float32, attention="decomposed", conv="matmul", winograd4_min_side=16,
         )  # fmt: skip
+
+
+def test_plain_from_downscale_runs_the_smallest_inputs_as_plain_matmuls():
+    """plan_unet with plain_from_downscale: 3x3 convs whose input side is at most the latent's
+    side over it get no Winograd weight (a plain im2col matmul, 9/16 of F(2x2)'s weight
+    memory); the others keep their tiles; outputs still match the model's own."""
+    from sdiree.compile.exporters.unet import plan_unet
+
+    def plan(**kw):
+        return plan_unet(
+            tiny_unet(16), batch=1, latent_hws=[(16, 16)], text_len=5, text_dim=16,
+            dtype=torch.float32, attention="decomposed", conv="winograd", **kw,
+        )  # fmt: skip
+
+    p = plan(winograd4_min_side=16, plain_from_downscale=2)  # plain at 8x8, F(4x4) at 16x16
+    unet = p.params_module
+    tiles = {n: m.weight_winograd.shape[0] for n, m in unet.named_modules()
+             if hasattr(m, "weight_winograd")}  # fmt: skip
+    assert tiles["conv_in"] == tiles["down_blocks.0.resnets.0.conv1"] == tiles["conv_out"] == 36
+    for plain in ("down_blocks.1.resnets.0.conv1", "mid_block.resnets.0.conv2",
+                  "up_blocks.0.resnets.0.conv1"):  # fmt: skip
+        assert plain not in tiles, plain
+    assert p.derived == "winograd4"
+    assert p.options["plain_from_downscale"] == 2
+    ref = tiny_unet(16)
+    x, t, e = torch.randn(1, 4, 16, 16), torch.tensor(10.0), torch.randn(2, 5, 16)
+    x = torch.cat([x, x])
+    with torch.no_grad():
+        torch.testing.assert_close(unet(x, t, e).sample, ref(x, t, e).sample, rtol=1e-4, atol=2e-5)
+        unet.mid_block.resnets[0].conv2.weight.mul_(2)  # the plain conv reads its own weight
+        assert (unet(x, t, e).sample - ref(x, t, e).sample).abs().max() > 1e-3
+    # without F(4x4): F(2x2) above the plain level
+    q = plan(plain_from_downscale=2)
+    assert q.derived == "winograd2"
+    assert not hasattr(q.params_module.mid_block.resnets[0].conv2, "weight_winograd")
