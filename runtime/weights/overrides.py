@@ -109,8 +109,10 @@ class LoadedWeights:
         for scope, paths in by_scope.items():
             if scope in encoded_scopes:
                 continue  # computed below from the replaced weights
-            if scope in changed:
-                self.indices[scope] = self._replaced_index(scope, paths, {}, self._keep)
+            if scope in changed:  # what the module loads by name: never a read-back key
+                self.indices[scope] = self._replaced_index(
+                    scope, paths, {}, self._keep, read_back=False
+                )
             else:
                 index = rt.ParameterIndex()
                 for p in paths:
@@ -129,11 +131,15 @@ class LoadedWeights:
         return [index.create_provider(scope=scope) for scope, index in self.indices.items()]
 
     # -- replaced tensors ----------------------------------------------------------------
-    def _replaced_index(self, scope: str, paths: list[Path], derived: dict, keep: list):
+    def _replaced_index(
+        self, scope: str, paths: list[Path], derived: dict, keep: list, read_back: bool = True
+    ):
         """An index over scope's archives with the overrides in place, Winograd weights
         derived from them, and the `derived` keys ({key: (shape, dtype)}, not in any archive
         the artifact holds) computed from the weights. What the index points into is appended
-        to keep, which must live as long as the index."""
+        to keep, which must live as long as the index. Without read_back, keys a pruned
+        archive dropped (weights/recover.py) are left out unless replaced: no module names
+        them, only an encoder reads them."""
         import iree.runtime as rt
 
         replaced = self.overrides.tensors.get(scope, {})
@@ -156,6 +162,8 @@ class LoadedWeights:
                     continue  # computed below (an archive of them may be there too)
                 if key in replaced:
                     _add_array(index, key, replaced[key], keep)
+                elif e.recovered and not read_back:
+                    continue  # the artifact dropped it, and no module names it
                 elif base is not None and base in replaced:
                     _add_array(index, key, winograd_weight(weight(base), e.shape[0]), keep)
                 elif e.splat is not None:

@@ -24,6 +24,7 @@ from sdiree.runtime.pipeline import GenerationRequest, Text2Image, resolve_reque
 from sdiree.runtime.session import Session
 from sdiree.runtime.text_inputs import TOKEN_TABLE
 from sdiree.runtime.weights.archive import Archive
+from sdiree.runtime.weights.overrides import WeightOverrides
 from sdiree.runtime.weights.recover import sidecar_path
 
 ORIGINALS = ("text_encoder.irpa", "unet.irpa", "vae.irpa", "vae.winograd4.irpa")
@@ -101,3 +102,18 @@ def test_an_artifact_without_encoded_weights_keeps_its_archives_whole(compiled):
     full = Archive(_full(cpu, "unet.irpa"))
     assert not any(e.recovered for e in Archive(art / "unet.irpa").entries.values())
     assert Archive(art / "unet.irpa").entries.keys() == full.entries.keys()
+
+
+def test_a_lora_session_gives_the_module_no_read_back_weights(compiled):
+    """The module's own scope, with a weight replaced, holds the replaced weight and what the
+    module names; the weights the artifact dropped are not read back for it (SD 1.5: 2 GB)."""
+    art = compiled.get("cpu", "host", "fp32")
+    m = load_manifest(art)
+    a = Archive(art / "unet.irpa")
+    dropped = [k for k, e in a.entries.items() if e.recovered]
+    changed = {dropped[0]: np.array(a.array(dropped[0])) * 1.5}
+    session = Session(m, choose_device(m, None)[0], ("unet",), WeightOverrides({"unet": changed}))
+    served = {k for k, _ in session.weights.indices["unet"].items()}
+    assert dropped[0] in served
+    assert not served & set(dropped[1:])
+    assert served - {dropped[0]} == {k for k, e in a.entries.items() if not e.recovered}
