@@ -463,29 +463,20 @@ class Builder:
         for archive in archives[1:]:
             for key, e in Archive(archive).entries.items():
                 derived[key] = {"shape": list(e.shape), "dtype": e.dtype.name}
-        enc = {
-            "vmfb": encoder.name,
-            "sha256": sha256_file(encoder),
-            "derived": derived,
-        }
-        # what a LoRA re-packs in numpy (weights/repack.py), and what the artifact's pruned
-        # archives are read back by (prune.py)
-        layout = out / f"{submodule}.layout.json"
-        with self.r.stage("layout", submodule):
-            self.learn_layout(submodule, encoder, archives, derived, encoded, scope, layout)
-        enc["layout_tried"] = True
-        if layout.is_file():
-            enc.update(layout=layout.name, layout_sha256=sha256_file(layout))
-        return {
+        entry = {
             "path": encoded.name,
             "scope": scope,
             "sha256": sha256_file(encoded),
             "needs_derived": needs_derived,
-            "encoder": enc,
+            "encoder": {"vmfb": encoder.name, "sha256": sha256_file(encoder), "derived": derived},
         }
+        self.add_layout(submodule, entry, archives)
+        return entry
 
     def add_layout(self, submodule: str, enc: dict, archives: list[Path]) -> None:
-        """Learn the layout of an encoded entry that has none into enc (see learn_layout)."""
+        """Learn the layout of the encoded entry enc into it (see learn_layout): what a LoRA
+        re-packs in numpy (weights/repack.py), and what the artifact's pruned archives are
+        read back by (prune.py)."""
         out = self.plan.out
         layout = out / f"{submodule}.layout.json"
         encoder = enc["encoder"]

@@ -33,9 +33,12 @@ from .fileutil import (
 # its `extra_parameters` entry says `"layout": "pages"`), which older readers cannot load.
 # A 4's `encoder` may name its `layout` (a JSON file, sdiree.runtime.weights.layout: how it
 # packs each weight, learned at compile); readers that do not know it learn it at first use.
-# Versions 1 to 3 are still read (the runtime tells the layouts apart by content).
-SCHEMA_VERSION = 4
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
+# 5: an original archive may be pruned (compile/prune.py): the keys it lacks are listed in
+# `<archive>.pruned.json` (one of `files`) and read back from the encoded archives
+# (sdiree.runtime.weights.recover); an older reader would find them missing.
+# Versions 1 to 4 are still read (the runtime tells the layouts apart by content).
+SCHEMA_VERSION = 5
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
 MANIFEST_NAME = "manifest.json"
 DEFAULT_PIPELINE = "text2img"  # of manifests from before families were recorded
 HASH_CACHE = ".verified.json"  # in the artifact: {path: [size, mtime, ctime, inode, sha256]}
