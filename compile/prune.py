@@ -69,19 +69,21 @@ def _sources(out: Path, results: dict, scope: str, scopes: dict) -> list[dict] |
 
 
 def _prune_key(use: ArchiveUse, results: dict, sources: list[dict]) -> str:
-    by_file = {r["encoder"]["layout"]: r for r in (results[s].get("encoded") for s in results) if r}
+    """What a pruned archive depends on: the full archive, the modules that load it, and the
+    encoded archives and layouts it is read back from."""
+    encoded = {e["encoder"].get("layout"): e for r in results.values() if (e := r.get("encoded"))}
+    read_from = [
+        [s["encoded"], encoded[s["layout"]]["sha256"], encoded[s["layout"]]["encoder"]["layout_sha256"]]
+        for s in sources
+    ]  # fmt: skip
     return sha256_json(
         {
             "version": FORMAT_VERSION,
             "from": use.digest,
             "vmfbs": sorted(results[u]["vmfb_sha256"] for u in use.users),
-            "sources": [
-                [s["encoded"], by_file[s["layout"]]["sha256"], by_file[s["layout"]]["encoder"][
-                    "layout_sha256"]]
-                for s in sources
-            ],
+            "sources": read_from,
         }
-    )  # fmt: skip
+    )
 
 
 def is_pruned(use: ArchiveUse, state: dict, intact) -> bool:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sdiree.compile.prune import ArchiveUse, _prune_key
 from sdiree.runtime.device_select import choose_device
 from sdiree.runtime.fileutil import sha256_file
 from sdiree.runtime.manifest import HASH_CACHE, load_manifest
@@ -117,3 +118,19 @@ def test_a_lora_session_gives_the_module_no_read_back_weights(compiled):
     assert dropped[0] in served
     assert not served & set(dropped[1:])
     assert served - {dropped[0]} == {k for k, e in a.entries.items() if not e.recovered}
+
+
+def test_the_prune_key_follows_its_inputs_and_skips_submodules_without_a_layout():
+    def results(vmfb="1", layout_sha="l"):
+        return {
+            "unet": {"vmfb_sha256": vmfb, "encoded": {
+                "sha256": "e", "encoder": {"layout": "unet.layout.json", "layout_sha256": layout_sha}}},
+            "vae_decoder": {"vmfb_sha256": "2", "encoded": {"sha256": "f", "encoder": {}}},
+        }  # fmt: skip
+
+    use = ArchiveUse(Path("unet.irpa"), Path("cache/unet.irpa"), "d", "unet", ["unet"])
+    src = [{"encoded": "unet.encoded.irpa", "layout": "unet.layout.json"}]
+    key = _prune_key(use, results(), src)
+    assert key == _prune_key(use, results(), src)
+    assert key != _prune_key(use, results(vmfb="9"), src)
+    assert key != _prune_key(use, results(layout_sha="9"), src)
