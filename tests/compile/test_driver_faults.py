@@ -118,10 +118,15 @@ def test_really_full_disk_is_one_line_and_leaves_no_temps(tiny_model, tmp_path, 
     assert not (out / "manifest.json").exists()
 
 
+# A target whose artifacts link the cache's archives whole (cpu keeps pruned copies of its own,
+# compile/prune.py)
+LINKED = {"target": "vulkan-spirv", "arch": "lavapipe"}
+
+
 def _private_copy(compiled, compile_cache: Path, tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
-    """A copy of the cpu fp32 artifact and of the compile cache, linked as a compile leaves
+    """A copy of the lavapipe fp32 artifact and of the compile cache, linked as a compile leaves
     them (the artifact's shared archives are hardlinks into the cache): (artifact, params)."""
-    base = compiled.get("cpu", "host", "fp32")
+    base = compiled.get(LINKED["target"], LINKED["arch"], "fp32")
     cache = tmp_path / "cache"
     shutil.copytree(compile_cache, cache)
     monkeypatch.setenv("SDIREE_CACHE", str(cache))
@@ -137,13 +142,13 @@ def _private_copy(compiled, compile_cache: Path, tmp_path: Path, monkeypatch) ->
 
 def test_truncated_shared_archive_is_rewritten(compiled, compile_cache, tmp_path, monkeypatch):
     out, params = _private_copy(compiled, compile_cache, tmp_path, monkeypatch)
-    ran, log = compile_quietly(compiled.model, out)
+    ran, log = compile_quietly(compiled.model, out, **LINKED)
     assert "up to date" in log
     archive = params / "unet.irpa"
     with open(archive, "r+b") as f:
         f.truncate(archive.stat().st_size // 2)
 
-    ran, log = compile_quietly(compiled.model, out)
+    ran, log = compile_quietly(compiled.model, out, **LINKED)
     assert "up to date" not in log
     assert "truncated or changed" in log
     assert ("parameters", "unet") in ran
@@ -156,7 +161,7 @@ def test_changed_shared_archive_of_same_size_and_mtime_is_rewritten(
     compiled, compile_cache, tmp_path, monkeypatch
 ):
     out, params = _private_copy(compiled, compile_cache, tmp_path, monkeypatch)
-    compile_quietly(compiled.model, out)  # records the archives' stamps
+    compile_quietly(compiled.model, out, **LINKED)  # records the archives' stamps
     archive = params / "text_encoder.irpa"
     st = archive.stat()
     data = bytearray(archive.read_bytes())
@@ -164,7 +169,7 @@ def test_changed_shared_archive_of_same_size_and_mtime_is_rewritten(
     archive.write_bytes(bytes(data))
     os.utime(archive, ns=(st.st_atime_ns, st.st_mtime_ns))
 
-    ran, log = compile_quietly(compiled.model, out)
+    ran, log = compile_quietly(compiled.model, out, **LINKED)
     assert ("parameters", "text_encoder") in ran
     check_files(load_manifest(out))
 
