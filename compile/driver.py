@@ -305,12 +305,12 @@ class Builder:
         across filesystems); [(path in the artifact, sha256)]. A pruned copy of the same
         archive that a build left there (compile/prune.py) stays: pruning it again reads the
         full one from the cache."""
-        from .prune import ArchiveUse, is_pruned
+        from .prune import is_pruned
 
         linked = []
         for path, digest in params:
             local = self.plan.out / path.name
-            if is_pruned(ArchiveUse(local, path, digest, ""), state, self.intact):
+            if is_pruned(local, digest, state, self.intact):
                 linked.append((local, digest))
                 continue
             kept_copy = (  # from an earlier build, where links cannot be made: not copied again

@@ -86,14 +86,15 @@ def _prune_key(use: ArchiveUse, results: dict, sources: list[dict]) -> str:
     )
 
 
-def is_pruned(use: ArchiveUse, state: dict, intact) -> bool:
-    """Whether the artifact already holds a pruned copy of use's full archive, intact."""
-    rec = state.get(STATE_KEY, {}).get(use.local.name)
+def is_pruned(local: Path, digest: str, state: dict, intact) -> bool:
+    """Whether the artifact holds at local a pruned copy, intact, of the full archive whose
+    sha256 is digest."""
+    rec = state.get(STATE_KEY, {}).get(local.name)
     return bool(
         rec
-        and rec.get("from") == use.digest
-        and intact(use.local, rec["sha256"])
-        and intact(sidecar_path(use.local), rec["sidecar"])
+        and rec.get("from") == digest
+        and intact(local, rec["sha256"])
+        and intact(sidecar_path(local), rec["sidecar"])
     )
 
 
@@ -110,7 +111,7 @@ def prune(out: Path, uses: list[ArchiveUse], results: dict, scopes: dict, driver
             continue
         key = _prune_key(use, results, sources)
         rec = done.get(use.local.name)
-        if rec and rec.get("key") == key and is_pruned(use, state, intact):
+        if rec and rec.get("key") == key and is_pruned(use.local, use.digest, state, intact):
             report.reused("prune", use.local.name)
             changed[use.local] = rec["sha256"]
             changed[sidecar_path(use.local)] = rec["sidecar"]
