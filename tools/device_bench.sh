@@ -14,19 +14,53 @@
 # and the Vulkan loader debs into .gl/ as the device README says.
 #
 # On the device (carry [".iree", ".gl"]), each argument is one `sdiree bench` option string:
-#   bash tools/device_bench.sh "--target cuda --arch sm_80 --dtype fp32" \
-#       "--target vulkan-spirv --arch ampere --dtype fp32 --torch-device cuda" ...
-# Setup and the model are kept in /tmp while the machine stays warm; reports go to $OUT.
+#   bash tools/device_bench.sh "--target cuda --arch sm_80 --dtype fp16 --torch-device cuda" \
+#       "--target vulkan-spirv --arch ampere --dtype fp16 --torch-device cuda" ...
+# It compiles every artifact at once, then benches each and profiles one UNet call of it
+# (tools/gpu_profile.py: bench-N.json/.log and profile-N.jsonl in $OUT). Setup, the model and the
+# artifacts are kept in /tmp while the machine stays warm. MODEL, ART, OUT and HW (the image
+# side, 512) can be set from outside, e.g. to try the script here on the tiny model.
 source "$(dirname "$0")/device_env.sh"
+
+names=()
+for opts in "$@"; do
+    names+=("$(echo "$opts" | tr -c 'a-zA-Z0-9_\n' '-' | tr -s '-' | sed 's/^-//; s/-$//')")
+done
+
+# Compile every artifact at once first (each with its own cache, so no two share a parameter
+# archive being written): exports are mostly one torch thread, iree-compile uses the 16 cores.
+t0=$(date +%s)
+i=0
+for opts in "$@"; do
+    i=$((i + 1))
+    read -r -a args <<< "$opts"
+    only=()
+    for ((k = 0; k < ${#args[@]}; k++)); do
+        case "${args[k]}" in --target | --arch | --dtype) only+=("${args[k]}" "${args[k + 1]}") ;; esac
+    done
+    SDIREE_CACHE=/tmp/sdiree-cache/$i python3 -m sdiree.runtime.cli compile "$MODEL" \
+        --height "${HW:-512}" --width "${HW:-512}" "${only[@]}" --out "$ART/${names[i - 1]}" \
+        > "/tmp/compile-$i.log" 2>&1 &
+done
+wait || true
+echo "=== compiled all in $(($(date +%s) - t0)) s"
+for ((k = 1; k <= i; k++)); do tail -n 3 "/tmp/compile-$k.log"; done
 
 i=0
 for opts in "$@"; do
     i=$((i + 1))
     # shellcheck disable=SC2086  # one string of options per run
     read -r -a args <<< "$opts"
-    name=$(echo "$opts" | tr -c 'a-zA-Z0-9_\n' '-' | tr -s '-' | sed 's/^-//; s/-$//')
+    name=${names[i - 1]}
     echo "=== bench $i: $opts"
-    python3 tools/bench.py "$MODEL" --height 512 --width 512 "${args[@]}" \
-        --out "$ART/$name" --json "$OUT/bench-$i.json" 2>&1 | tee "$OUT/bench-$i.log" ||
+    SDIREE_CACHE=/tmp/sdiree-cache/$i python3 tools/bench.py "$MODEL" --height "${HW:-512}" --width "${HW:-512}" \
+        "${args[@]}" --out "$ART/$name" --json "$OUT/bench-$i.json" 2>&1 | tee "$OUT/bench-$i.log" ||
         echo "=== bench $i failed"
+    # Where the UNet call's time goes, per dispatch (tools/gpu_profile.py); the bundle stays here.
+    driver=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['target']['driver'])" \
+        "$ART/$name/manifest.json" 2>/dev/null || echo cuda)
+    echo "=== profile $i ($driver)"
+    timeout 120 python3 tools/gpu_profile.py "$ART/$name" --device "$driver" --top 30 \
+        --out "/tmp/prof-$i" 2>&1 || echo "=== profile $i failed"
+    cp "/tmp/prof-$i/unet.dispatch.jsonl" "$OUT/profile-$i.jsonl" 2>/dev/null || true
 done

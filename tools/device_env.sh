@@ -9,13 +9,13 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/sdiree-out}
 SITE=/tmp/sdiree-site
 PKG=/tmp/sdiree-pkg
-MODEL=/tmp/sd15-random
-ART=/tmp/sdiree-art
-mkdir -p "$OUT" "$ART"
+MODEL=${MODEL:-/tmp/sd15-random}
+ART=${ART:-/tmp/sdiree-art}
+mkdir -p "$OUT" "$ART" "$PKG/sdiree"
 
-if [ ! -d "$SITE/iree/compiler" ]; then
+if [ ! -d "$SITE/iree/compiler" ] && ! python3 -c "import iree.compiler" 2> /dev/null; then
     t0=$(date +%s)
-    mkdir -p "$SITE" "$PKG/sdiree"
+    mkdir -p "$SITE"
     tar xJf .iree/compiler.tar.xz -C "$SITE"
     tar xJf .iree/rest.tar.xz -C "$SITE"
     for f in .gl/*.deb; do dpkg -x "$f" /; done
@@ -28,7 +28,7 @@ export PYTHONPATH="$PKG:$SITE"
 icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 if [ -f "$icd" ]; then export VK_DRIVER_FILES=$icd; fi
 
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 python3 -m sdiree.runtime.cli devices || true
 
