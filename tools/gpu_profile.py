@@ -25,7 +25,11 @@ import numpy as np
 
 
 def _tool(name: str) -> str:
-    here = Path(sys.executable).parent / name
+    """The IREE tool from iree-base-runtime's own folder (also where the wheel was only unpacked,
+    without its console scripts), else from PATH."""
+    import iree.runtime
+
+    here = Path(iree.runtime.__file__).parents[1] / "_runtime_libs" / name
     return str(here) if here.exists() else (shutil.which(name) or name)
 
 
