@@ -59,8 +59,11 @@ def caps(name, vendor, lo=32, hi=64, coop=False, shared=65536):
         (caps("AMD Radeon RX 7900 XTX (RADV GFX1100)", 0x1002), "rdna2"),
         # a name match breaks a tie between presets the device fits
         (caps("NVIDIA GeForce RTX 4090", 0x10DE, lo=32, hi=32, coop=True, shared=49152), "ada"),
-        # an NVIDIA GPU without cooperative matrices (Pascal) fits no preset: baseline
-        (caps("NVIDIA GeForce GTX 1080", 0x10DE, lo=32, hi=32, shared=49152), "baseline"),
+        # the NVIDIA presets need no cooperative matrices (their kernels are SIMT): a GPU
+        # without them (Pascal) fits ampere
+        (caps("NVIDIA GeForce GTX 1080", 0x10DE, lo=32, hi=32, shared=49152), "ampere"),
+        # a GPU that offers less shared memory than a preset's kernels use fits none: baseline
+        (caps("NVIDIA GeForce GTX 1080", 0x10DE, lo=32, hi=32, shared=32768), "baseline"),
     ],
 )
 def test_properties_pick_the_arch(monkeypatch, props, arch):

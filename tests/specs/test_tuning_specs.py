@@ -4,8 +4,10 @@ compiled module; and the SIMT choices it makes give fp16 images equal to diffuse
 
 vulkan-spirv's spec (tools/make_vulkan_tuning_spec.py) sends the contractions that iree 3.13's
 cooperative-matrix codegen fails on to the SIMT matmul pipeline. Checked by cross-compiling the
-tiny model for ampere fp16 (rdna3 and ada fail on the same ops), and on lavapipe, which runs an
-fp16 build that takes the same choices for those ops.
+tiny model for rdna3 fp16, and on lavapipe, which runs an fp16 build that takes the same choices
+for those ops. The NVIDIA presets (ampere, ada) use no cooperative matrices at all: NVIDIA's
+Vulkan driver refuses every cooperative-matrix shader iree 3.13 writes (an H200, driver 580;
+tools/PERFORMANCE.md), so they need no spec, and a test here shows their fp16 builds hold none.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def test_registry_gives_the_spec_to_the_cooperative_matrix_arches():
 
     vk = load_registry().target("vulkan-spirv")
     assert vk.tuning_spec_via == "module-attribute"
-    with_mma = {"rdna3", "ampere", "ada"}
+    with_mma = {"rdna3"}
     for name, arch in vk.arches.items():
         assert (arch.tuning_specs == {"*": SPEC_REL}) == (name in with_mma), name
         assert bool(arch.device.get("cooperative_matrix")) == (name in with_mma), name
@@ -94,12 +96,12 @@ def test_cooperative_matrix_arch_needs_the_spec_and_it_applies(tiny_model, tmp_p
     from sdiree.runtime.errors import UserError
 
     with pytest.raises(UserError, match="no GPU subgroup mma compute ops generated"):
-        compile_tiny(tiny_model, "ampere", specs_copy(tmp_path, "ampere", None, False),
+        compile_tiny(tiny_model, "rdna3", specs_copy(tmp_path, "rdna3", None, False),
                      tmp_path / "without")  # fmt: skip
 
     dump = tmp_path / "dump"
     art = tmp_path / "with"
-    compile_tiny(tiny_model, "ampere", specs_copy(tmp_path, "ampere", dump, True), art)
+    compile_tiny(tiny_model, "rdna3", specs_copy(tmp_path, "rdna3", dump, True), art)
     manifest = json.loads((art / "manifest.json").read_text())
     for sub in manifest["submodules"].values():
         assert list(sub["tuning_specs"]) == [SPEC_REL]
@@ -119,9 +121,36 @@ def test_cooperative_matrix_arch_needs_the_spec_and_it_applies(tiny_model, tmp_p
     assert not any(MARKER in t for n, t in configs.items() if n not in matched)
 
 
+def test_nvidia_presets_compile_fp16_without_cooperative_matrices(tiny_model, tmp_path):
+    """ampere's fp16 build: every contraction on a SIMT pipeline, within the 48 KiB of shared
+    memory NVIDIA's Vulkan driver offers, and no spec."""
+    from sdiree.runtime.targets import load_registry
+
+    vk = load_registry().target("vulkan-spirv")
+    for name in ("ampere", "ada"):
+        flags = " ".join(vk.arches[name].flags)
+        assert "mma = []" in flags and "max_workgroup_memory_bytes = 49152" in flags, name
+    dump = tmp_path / "dump"
+    specs = tmp_path / "specs"
+    shutil.copytree(ROOT / "specs", specs)
+    data = json.loads((specs / "targets.json").read_text())
+    preset = data["targets"]["vulkan-spirv"]["arches"]["ampere"]
+    preset["flags"] = [*preset["flags"], f"--iree-hal-dump-executable-configurations-to={dump}"]
+    (specs / "targets.json").write_text(json.dumps(data))
+    art = tmp_path / "ampere"
+    compile_tiny(tiny_model, "ampere", specs, art)
+    configs = configurations(dump)
+    pipelines = {pipeline(t) for t in configs.values()}
+    assert "MatmulPromoteVectorize" in pipelines and "CooperativeMatrixVectorize" not in pipelines
+    assert not tuned(configs)
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert all(not sub["tuning_specs"] for sub in manifest["submodules"].values())
+    assert "cooperative_matrix" not in manifest["target"]["device_requires"]
+
+
 def test_lavapipe_fp16_with_the_spec_matches_diffusers(tiny_model, tmp_path):
     """lavapipe has no cooperative matrices: its fp16 build with the spec runs the same SIMT
-    configurations for the same ops as the ampere build, for real, against diffusers fp32."""
+    configurations for the same ops as the rdna3 build, for real, against diffusers fp32."""
     from PIL import Image
 
     from sdiree.runtime.generate import generate_to_files
