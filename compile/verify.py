@@ -148,6 +148,7 @@ def check_parity(
     device: str | None = None,
     submodules: list[str] | None = None,
     seed: int = 0,
+    functions: list[str] | None = None,
 ) -> list[ParityResult]:
     quiet_libraries()
     manifest = load_manifest(artifact_dir)
@@ -166,16 +167,18 @@ def check_parity(
         manifest,
         info,
         subs,
-        lambda session: _compare_all(session, manifest, subs, reference, seed),
+        lambda session: _compare_all(session, manifest, subs, reference, seed, functions),
         warn=lambda msg: print(f"warning: {msg}", file=sys.stderr),
     )
 
 
-def _compare_all(session, manifest, subs, reference, seed) -> list[ParityResult]:
+def _compare_all(session, manifest, subs, reference, seed, functions=None) -> list[ParityResult]:
     tol = TOLERANCE[manifest.dtype]
     results = []
     for sub in subs:
         for fname, decl in manifest.submodules[sub].functions.items():
+            if functions and fname not in functions:
+                continue
             inputs = make_inputs(manifest, sub, fname, seed)
             got = session.call(sub, fname, *inputs)
             ref = reference(sub, inputs)
@@ -196,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="model folder (default: recorded)")
     ap.add_argument("--device", "-d", default=None, help="device (default: the driver's first)")
     ap.add_argument("--submodules", default=None, help="comma-separated (default: all)")
+    ap.add_argument(
+        "--functions", default=None, help="comma-separated entry functions (default: all)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     try:
@@ -205,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             a.device,
             a.submodules.split(",") if a.submodules else None,
             a.seed,
+            a.functions.split(",") if a.functions else None,
         )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

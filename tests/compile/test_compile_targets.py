@@ -75,6 +75,14 @@ def test_compiled_modules_match_torch(compiled, target, arch, dtype):
         assert max(r.rel for r in results) <= 1e-4
 
 
+def test_parity_of_chosen_functions_only(compiled):
+    """`verify --submodules unet --functions denoise`: one call, as for the full-size checks."""
+    results = check_parity(compiled.get("cpu", "host", "fp32"), submodules=["unet"],
+                           functions=["denoise"])  # fmt: skip
+    assert [(r.submodule, r.function) for r in results] == [("unet", "denoise")]
+    assert results[0].ok, results[0].line()
+
+
 def test_vulkan_fp16_compiles_for_lavapipe(compiled):
     """fp16 is the GPU default; lavapipe emulates fp16 so slowly (minutes per tiny UNet call)
     that its parity is checked on cpu fp16 above and on real GPUs by tools/parity.py."""
