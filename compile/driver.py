@@ -51,7 +51,7 @@ from sdiree.runtime.fileutil import (
 from sdiree.runtime.manifest import HASH_CACHE, MANIFEST_NAME, check_files, load_manifest
 from sdiree.runtime.weights.sources import file_sha256
 
-from .exporters import EXPORTER_REVISION
+from .exporters import DERIVED_REVISION, EXPORTER_REVISION
 from .manifest_writer import build_manifest
 from .plan import (  # noqa: F401  (re-exported: callers import the compile API from here)
     CACHE_ENV,
@@ -233,7 +233,8 @@ class Builder:
         return archive.with_suffix(".irpa.sha256")
 
     def recorded_digest(self, archive: Path) -> tuple[str, list | None]:
-        """(sha256 recorded when archive was written, its file stamp then); ("", None) if none.
+        """(sha256 recorded when archive was written, its file stamp then); ("", None) if none,
+        or if archive holds derived weights computed by an older revision (written again).
         An older sdiree wrote the bare digest: it is re-verified once."""
         try:
             text = self.digest_path(archive).read_text()
@@ -242,13 +243,16 @@ class Builder:
         with contextlib.suppress(ValueError):
             d = json.loads(text)
             if isinstance(d, dict):
+                if _is_derived_archive(archive) and d.get("derived_revision") != DERIVED_REVISION:
+                    return "", None
                 return str(d.get("sha256", "")), d.get("stamp")
-        return text.strip(), None
+        return ("", None) if _is_derived_archive(archive) else (text.strip(), None)
 
     def record_digest(self, archive: Path, digest: str) -> None:
-        atomic_write_json(
-            self.digest_path(archive), {"sha256": digest, "stamp": file_stamp(archive)}
-        )
+        record = {"sha256": digest, "stamp": file_stamp(archive)}
+        if _is_derived_archive(archive):
+            record["derived_revision"] = DERIVED_REVISION
+        atomic_write_json(self.digest_path(archive), record)
 
     def params_digests(self, submodule: str) -> list[str]:
         """The recorded sha256 of each of submodule's archives ("" where not written yet)."""
@@ -515,6 +519,11 @@ class Builder:
             layout.unlink(missing_ok=True)
         else:
             learned.save(layout)
+
+
+def _is_derived_archive(archive: Path) -> bool:
+    """A shared archive of weights computed at export (`<scope>.<derived>.irpa`)."""
+    return archive.name.count(".") > 1
 
 
 def _replace_vae(model, path: Path) -> None:

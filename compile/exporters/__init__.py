@@ -20,6 +20,11 @@ from sdiree.runtime.targets import UNET_ONLY_EXPORT
 # 9: the text encoder takes token embeddings and the end-of-text positions instead of ids
 # (textual-inversion embeddings at run time, runtime/text_inputs.py).
 EXPORTER_REVISION = 9
+# Bumped when weights derived at export (Winograd) are computed differently, so that cached
+# derived archives written before are written again (compile/driver.py). 2: rounded once to the
+# export dtype; before, an fp16 file compiled in fp32 had its transformed weights rounded to fp16
+# first (relative error ~1e-3, and no exact read-back for pruning).
+DERIVED_REVISION = 2
 
 SCOPES = {
     "text_encoder": "text_encoder",

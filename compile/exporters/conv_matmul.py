@@ -265,14 +265,17 @@ def _winograd_parameter(weight: torch.nn.Parameter, tile: int) -> torch.nn.Param
     return torch.nn.Parameter(u, requires_grad=False)
 
 
-def _derive(weight: torch.Tensor, tile: int) -> torch.Tensor:
-    return winograd_weight(weight.double(), tile).to(weight.dtype)
+def _derive(weight: torch.Tensor, tile: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The transformed weight, computed in float64 and rounded once, to dtype (default: the
+    weight's)."""
+    return winograd_weight(weight.double(), tile).to(dtype or weight.dtype)
 
 
 def derived_weight_maker(name: str, shape: tuple[int, ...], dtype: torch.dtype, source):
-    """A function computing derived parameter name (of shape, in dtype) from the loaded conv
-    weight in source, exactly as `add_winograd_weights` computes it on a loaded model (in
-    float64, rounded to the loaded dtype, then cast to the export's)."""
+    """A function computing derived parameter name (of shape, in dtype) from the conv weight
+    as the model's files hold it: in float64, rounded once to dtype, so an fp16 file compiled in
+    fp32 gets fp32-exact transformed weights (on a model loaded in dtype `add_winograd_weights`
+    computes the same)."""
     conv_weight = name[: -len(WINOGRAD_PARAM)] + "weight"
     tile = round(shape[0] ** 0.5) - 2
     if (tile + 2) ** 2 != shape[0] or tile not in WINOGRAD:
@@ -280,7 +283,7 @@ def derived_weight_maker(name: str, shape: tuple[int, ...], dtype: torch.dtype, 
 
     def make() -> torch.Tensor:
         with torch.no_grad():
-            return _derive(source.tensor(conv_weight), tile).to(dtype)
+            return _derive(source.tensor(conv_weight), tile, dtype)
 
     return make
 

@@ -252,3 +252,49 @@ def test_plain_from_downscale_runs_the_smallest_inputs_as_plain_matmuls():
     q = plan(plain_from_downscale=2)
     assert q.derived == "winograd2"
     assert not hasattr(q.params_module.mid_block.resnets[0].conv2, "weight_winograd")
+
+
+def test_derived_weights_of_an_fp16_file_are_rounded_once_to_the_export_dtype():
+    """An fp16 model compiled in fp32: G g G^T in float64, rounded to fp32 only (rounding it
+    to fp16 first cost ~1e-3 relative and made the weights unrecoverable for pruning)."""
+    from sdiree.compile.exporters.conv_matmul import derived_weight_maker, winograd_weight
+
+    g = (torch.randn(8, 4, 3, 3) * 0.02).half()
+
+    class Source:
+        def tensor(self, name):
+            assert name == "conv.weight"
+            return g
+
+    for tile in (2, 4):
+        made = derived_weight_maker("conv.weight_winograd", ((tile + 2) ** 2, 4, 8),
+                                    torch.float32, Source())()  # fmt: skip
+        exact = winograd_weight(g.double(), tile).float()
+        assert made.dtype == torch.float32 and torch.equal(made, exact)
+        twice = winograd_weight(g.double(), tile).half().float()
+        assert not torch.equal(made, twice)
+
+
+def test_a_derived_archive_of_an_older_revision_is_written_again(tmp_path):
+    """The cache's record of a derived archive carries DERIVED_REVISION; one without it (or of
+    another) reads as absent, so the archive is computed again. Own archives are unaffected."""
+    import json
+
+    from sdiree.compile.driver import Builder
+    from sdiree.compile.exporters import DERIVED_REVISION
+
+    b = Builder.__new__(Builder)
+    own, derived = tmp_path / "unet.irpa", tmp_path / "unet.winograd2+4-abcd1234.irpa"
+    for path in (own, derived):
+        path.write_bytes(b"x")
+        b.record_digest(path, "d" * 64)
+        assert b.recorded_digest(path)[0] == "d" * 64
+    assert (
+        json.loads(Builder.digest_path(derived).read_text())["derived_revision"] == DERIVED_REVISION
+    )
+    for path in (own, derived):  # as an older sdiree recorded them
+        rec = json.loads(Builder.digest_path(path).read_text())
+        rec.pop("derived_revision", None)
+        Builder.digest_path(path).write_text(json.dumps(rec))
+    assert b.recorded_digest(own)[0] == "d" * 64
+    assert b.recorded_digest(derived) == ("", None)
