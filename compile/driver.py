@@ -132,6 +132,11 @@ class Builder:
         name = f"{scope}.{derived}.irpa" if derived else f"{scope}.irpa"
         return self.params_dir() / name
 
+    @staticmethod
+    def is_derived(archive: Path) -> bool:
+        """Whether archive, named by params_path, holds weights derived at export."""
+        return archive.name.count(".") > 1
+
     def written_dirs(self) -> list[Path]:
         """Every directory compile writes into, where a killed compile may have left temps."""
         out, shared = self.plan.out, self.plan.shared
@@ -243,14 +248,14 @@ class Builder:
         with contextlib.suppress(ValueError):
             d = json.loads(text)
             if isinstance(d, dict):
-                if _is_derived_archive(archive) and d.get("derived_revision") != DERIVED_REVISION:
+                if self.is_derived(archive) and d.get("derived_revision") != DERIVED_REVISION:
                     return "", None
                 return str(d.get("sha256", "")), d.get("stamp")
-        return ("", None) if _is_derived_archive(archive) else (text.strip(), None)
+        return ("", None) if self.is_derived(archive) else (text.strip(), None)
 
     def record_digest(self, archive: Path, digest: str) -> None:
         record = {"sha256": digest, "stamp": file_stamp(archive)}
-        if _is_derived_archive(archive):
+        if self.is_derived(archive):
             record["derived_revision"] = DERIVED_REVISION
         atomic_write_json(self.digest_path(archive), record)
 
@@ -519,11 +524,6 @@ class Builder:
             layout.unlink(missing_ok=True)
         else:
             learned.save(layout)
-
-
-def _is_derived_archive(archive: Path) -> bool:
-    """A shared archive of weights computed at export (`<scope>.<derived>.irpa`)."""
-    return archive.name.count(".") > 1
 
 
 def _replace_vae(model, path: Path) -> None:

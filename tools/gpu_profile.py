@@ -5,7 +5,7 @@ manifest's signature with HAL device profiling on, then reduces the bundle with
 `iree-profile dispatch --format=jsonl` to the dispatches that took the most device time. Used on
 a lent GPU (tools/PERFORMANCE.md, "GPU") to find what a tuning spec should target; also runs on
 lavapipe; not on cpu artifacts, whose pruned archives only sdiree's reader completes.
-Needs only iree-base-runtime and numpy.
+Needs iree-base-runtime, numpy and this checkout's sdiree (its inputs are `verify`'s).
 
     python tools/gpu_profile.py ARTIFACT --submodule unet --function denoise_cfg \\
         --device cuda [--mode dispatch-events] [--top 25] [--out DIR]
@@ -33,13 +33,12 @@ def _tool(name: str) -> str:
     return str(here) if here.exists() else (shutil.which(name) or name)
 
 
-def _inputs(sig: dict, work: Path, seed: int) -> list[str]:
-    rng = np.random.default_rng(seed)
+def _inputs(manifest, submodule: str, function: str, work: Path, seed: int) -> list[str]:
+    """`--input=@file.npy` flags of the inputs `sdiree.compile.verify` calls function with."""
+    from sdiree.compile.verify import make_inputs  # torch-free
+
     args = []
-    for i, inp in enumerate(sig["inputs"]):
-        a = rng.standard_normal(inp["shape"]).astype(inp["dtype"])
-        if inp["name"] == "timestep":
-            a = np.full(inp["shape"], 500, inp["dtype"])
+    for i, a in enumerate(make_inputs(manifest, submodule, function, seed)):
         path = work / f"in{i}.npy"
         np.save(path, a)
         args.append(f"--input=@{path}")
@@ -54,10 +53,11 @@ def _param_flags(art: Path, sub: dict) -> list[str]:
 
 
 def profile(a: argparse.Namespace) -> list[dict]:
+    from sdiree.runtime.manifest import load_manifest
+
     art = a.artifact
-    man = json.loads((art / "manifest.json").read_text())
-    sub = man["submodules"][a.submodule]
-    sig = sub["functions"][a.function]
+    manifest = load_manifest(art)
+    sub = manifest.data["submodules"][a.submodule]
     out = a.out or Path(tempfile.mkdtemp(prefix="sdiree-prof-"))
     out.mkdir(parents=True, exist_ok=True)
     prof = out / f"{a.submodule}.ireeprof"
@@ -67,7 +67,7 @@ def profile(a: argparse.Namespace) -> list[dict]:
         f"--module={art / sub['vmfb']}",
         *_param_flags(art, sub),
         f"--function={a.function}",
-        *_inputs(sig, out, a.seed),
+        *_inputs(manifest, a.submodule, a.function, out, a.seed),
         f"--device_profiling_mode={a.mode}",
         f"--device_profiling_output={prof}",
     ]

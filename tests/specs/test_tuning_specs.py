@@ -131,14 +131,8 @@ def test_nvidia_presets_compile_fp16_without_cooperative_matrices(tiny_model, tm
         flags = " ".join(vk.arches[name].flags)
         assert "mma = []" in flags and "max_workgroup_memory_bytes = 49152" in flags, name
     dump = tmp_path / "dump"
-    specs = tmp_path / "specs"
-    shutil.copytree(ROOT / "specs", specs)
-    data = json.loads((specs / "targets.json").read_text())
-    preset = data["targets"]["vulkan-spirv"]["arches"]["ampere"]
-    preset["flags"] = [*preset["flags"], f"--iree-hal-dump-executable-configurations-to={dump}"]
-    (specs / "targets.json").write_text(json.dumps(data))
     art = tmp_path / "ampere"
-    compile_tiny(tiny_model, "ampere", specs, art)
+    compile_tiny(tiny_model, "ampere", specs_copy(tmp_path, "ampere", dump, False), art)
     configs = configurations(dump)
     pipelines = {pipeline(t) for t in configs.values()}
     assert "MatmulPromoteVectorize" in pipelines and "CooperativeMatrixVectorize" not in pipelines
