@@ -371,6 +371,8 @@ class Builder:
         }
         if self.plan.target.encode_parameters:
             key["encoded_from"] = params_shas  # the encoded archive is computed from these
+            if self.plan.target.encoder_driver:
+                key["encoder"] = [self.plan.target.encoder_driver, *self.plan.target.encoder_flags]
         return sha256_json(key)
 
     def ensure_vmfb(
@@ -412,6 +414,17 @@ class Builder:
         atomic_write_json(self.plan.out / BUILD_STATE, state)
         return entry
 
+    @property
+    def encoder_driver(self) -> str:
+        """The IREE driver the parameter encoder runs on: the target's own unless it names
+        another (GPU targets: the host CPU)."""
+        return self.plan.target.encoder_driver or self.plan.target.driver
+
+    def encoder_flags(self, flags: list[str]) -> list[str]:
+        """The encoder module's iree-compile flags: the module's, or the target's encoder
+        flags where its encoder runs elsewhere."""
+        return list(self.plan.target.encoder_flags) if self.plan.target.encoder_driver else flags
+
     def intact(self, path: Path, digest: str | None) -> bool:
         """path, a file in the artifact, exists and has sha256 digest."""
         return path.is_file() and cached_sha256(path, path.name, self.verified) == digest
@@ -445,13 +458,13 @@ class Builder:
                 encoder.unlink(missing_ok=True)
                 return None
             with self.r.stage("encode", submodule):
-                compile_mlir(enc_mlir, enc_vmfb, flags, log)
+                compile_mlir(enc_mlir, enc_vmfb, self.encoder_flags(flags), log)
                 count = run_encoder(
                     enc_vmfb,
                     [(scope_for(submodule), a) for a in archives],
                     scope,
                     encoded,
-                    self.plan.target.driver,
+                    self.encoder_driver,
                 )
             if count:
                 enc_vmfb.replace(encoder)
@@ -465,7 +478,9 @@ class Builder:
         # Weights derived at export usually reach the module only through the encoder; then the
         # artifact does not need their archive at run time.
         needed = [(scope_for(submodule), archives[0]), (scope, encoded)]
-        needs_derived = not loads_with(vmfb, needed, self.plan.target.driver)
+        # (loaded on the target's device: without derived archives there is nothing to ask,
+        # and a GPU target's device need not be here)
+        needs_derived = len(archives) > 1 and not loads_with(vmfb, needed, self.plan.target.driver)
         # What the encoder reads besides the model's weights: the runtime recomputes these from
         # replaced weights (their archive is not in the artifact).
         derived = {}
@@ -479,6 +494,8 @@ class Builder:
             "needs_derived": needs_derived,
             "encoder": {"vmfb": encoder.name, "sha256": sha256_file(encoder), "derived": derived},
         }
+        if self.plan.target.encoder_driver:
+            entry["encoder"]["driver"] = self.plan.target.encoder_driver
         self.add_layout(submodule, entry, archives)
         return entry
 
@@ -508,7 +525,7 @@ class Builder:
 
         from .exporters import scope_for
 
-        device = rt.get_driver(self.plan.target.driver).create_default_device()
+        device = rt.get_driver(self.encoder_driver).create_default_device()
         learned = learn_layout(
             encoder,
             archives[:1],

@@ -102,6 +102,8 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
                 "scope": enc["scope"],
                 "derived": enc["encoder"]["derived"],
             }
+            if enc["encoder"].get("driver"):  # runs elsewhere than the modules (schema 6)
+                encoder["driver"] = enc["encoder"]["driver"]
             if enc["encoder"].get("layout"):
                 encoder["layout"] = enc["encoder"]["layout"]
                 files[enc["encoder"]["layout"]] = enc["encoder"]["layout_sha256"]

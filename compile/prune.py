@@ -1,6 +1,6 @@
 """Drop from an artifact the original weights that its encoded archives already hold.
 
-With encoded parameters (cpu) a module loads by name only the few original tensors that no
+With encoded parameters (cpu, and GPU targets' fp32) a module loads by name only the few original tensors that no
 encoder consumes (norms, biases); every other weight reaches it packed, from
 `<submodule>.encoded.irpa`. Keeping the whole original archive beside the packed copies
 doubles the disk (SD 1.5: 5.5 GB of 13.8). So, for each archive of a scope whose every
@@ -12,7 +12,8 @@ encoded submodule has a complete learned layout, the artifact keeps:
 and lists the rest in `<archive>.pruned.json`, which the runtime's Archive reads back from the
 encoded archives (sdiree.runtime.weights.recover) when a LoRA, `--weights` or an embedding
 needs them. The pruned archive is proven to load: every module that reads it is loaded with it
-before it replaces the full one. The compile cache keeps the full archive (a hardlink in the
+before it replaces the full one; where that cannot be done here (no device of a GPU target's
+driver on this machine), the archive stays whole. The compile cache keeps the full archive (a hardlink in the
 artifact before), so recompiles read from there.
 """
 
@@ -173,7 +174,13 @@ def _prune_one(out: Path, use: ArchiveUse, results: dict, sources: list[dict], d
         for user in use.users:
             archives = [(use.scope if p == use.local else s, tmp if p == use.local else p)
                         for p, s in results[user]["loads"]]  # fmt: skip
-            if not loads_with(out / results[user]["vmfb"], archives, driver):
+            try:
+                loads = loads_with(out / results[user]["vmfb"], archives, driver)
+            except (RuntimeError, ValueError) as e:  # no such device here (a GPU target)
+                report.say(f"[prune {use.local.name}] cannot load {user} on this machine to "
+                           f"check it ({str(e).splitlines()[0][:120]}): kept whole")  # fmt: skip
+                return None
+            if not loads:
                 report.say(f"[prune {use.local.name}] {user} does not load without the dropped "
                            "weights: kept whole")  # fmt: skip
                 return None

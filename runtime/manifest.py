@@ -36,9 +36,11 @@ from .fileutil import (
 # 5: an original archive may be pruned (compile/prune.py): the keys it lacks are listed in
 # `<archive>.pruned.json` (one of `files`) and read back from the encoded archives
 # (sdiree.runtime.weights.recover); an older reader would find them missing.
-# Versions 1 to 4 are still read (the runtime tells the layouts apart by content).
-SCHEMA_VERSION = 5
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
+# 6: an `encoder` may name the IREE `driver` it runs on where that is not the modules' (a GPU
+# artifact's encoder is compiled for the host CPU); an older reader would run it on the GPU.
+# Versions 1 to 5 are still read (the runtime tells the layouts apart by content).
+SCHEMA_VERSION = 6
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6)
 MANIFEST_NAME = "manifest.json"
 DEFAULT_PIPELINE = "text2img"  # of manifests from before families were recorded
 HASH_CACHE = ".verified.json"  # in the artifact: {path: [size, mtime, ctime, inode, sha256]}
@@ -72,6 +74,7 @@ class EncoderDecl:
     scope: str
     derived: dict[str, tuple[tuple[int, ...], str]]
     layout: str | None = None  # how it packs each weight (weights/layout.py), learned at compile
+    driver: str | None = None  # the IREE driver it runs on; None: the modules' own
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,7 @@ def _encoder_decl(root: Path, e) -> EncoderDecl | None:
         str(e["scope"]),
         derived,
         None if layout is None else _check_inside(root, layout),
+        None if e.get("driver") is None else str(e["driver"]),
     )
 
 

@@ -81,6 +81,11 @@ class Target:
     refused_dtypes: dict[str, str] = field(default_factory=dict)  # dtype -> why, every arch
     # Precompute load-time weight transforms at compile (compile/param_encoder.py).
     encode_parameters: bool = False
+    # Where the encoder runs, when not on the target's own device: the IREE driver and the
+    # iree-compile flags of the encoder module (GPU targets: the host CPU, so that compiling
+    # needs no GPU and a moved artifact still re-encodes `--weights` on any x86-64 CPU).
+    encoder_driver: str | None = None
+    encoder_flags: tuple[str, ...] = ()
     submodule_export: dict[str, dict] = field(default_factory=dict)  # submodule -> overrides
 
     def export_for(self, submodule: str, dtype: str | None = None) -> dict:
@@ -221,8 +226,10 @@ TARGET_FIELDS = {
     "dtype_options": "obj_map",
     "refused_dtypes": "str_map",
     "encode_parameters": "bool",
+    "encoder": "dict",
     "tuning_spec_via": "str",
 }
+ENCODER_FIELDS = {"driver": "str", "flags": "strs"}
 ARCH_FIELDS = {
     "description": "str",
     "flags": "strs",
@@ -250,6 +257,7 @@ DTYPE_OPTION_FIELDS = {
 EXPORT_CHOICES = {
     "attention": ("sdpa", "decomposed", "chunked"),
     "conv": ("native", "matmul", "winograd", "winograd4", "pointwise_einsum"),
+    "linear": ("native", "flat"),
 }
 # positive integers, in submodule_export.unet only: F(4x4) from this input side; plain matmuls
 # where the input side is at most the latent's / this
@@ -391,6 +399,10 @@ def check_registry(data: dict, path: Path) -> None:
                     c.fail(f"{wa}.device_match", f"holds {pattern!r}, not a regex ({e})")
         if all(d in t.get("refused_dtypes", {}) for d in dtypes):
             c.fail(f"{w}.refused_dtypes", "refuses every dtype the target has")
+        if "encoder" in t:
+            c.fields(t["encoder"], ENCODER_FIELDS, ("driver", "flags"), f"{w}.encoder")
+            if not t.get("encode_parameters"):
+                c.fail(f"{w}.encoder", "is set but encode_parameters is not true")
 
 
 def default_specs_dir() -> Path:
@@ -463,6 +475,8 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
             },
             refused_dtypes=dict(t.get("refused_dtypes", {})),
             encode_parameters=bool(t.get("encode_parameters", False)),
+            encoder_driver=t.get("encoder", {}).get("driver"),
+            encoder_flags=tuple(t.get("encoder", {}).get("flags", ())),
             submodule_export={k: dict(v) for k, v in t.get("submodule_export", {}).items()},
         )
     return Registry(specs_dir=specs_dir, targets=targets)

@@ -60,6 +60,7 @@ def added_conditioning(plan) -> dict[str, int] | None:
 def plan_for(builder, submodule: str):
     """The ExportPlan of one submodule for the builder's compile plan."""
     from .base import TORCH_DTYPES
+    from .linear_flat import set_linear_lowering
     from .text_encoder import plan_text_encoder
     from .unet import plan_unet
     from .vae import plan_vae_decoder, plan_vae_encoder
@@ -70,6 +71,7 @@ def plan_for(builder, submodule: str):
     attention = options.get("attention", "sdpa")
     conv = options.get("conv", "native")
     model = builder.torch_model(COMPONENTS[submodule])
+    set_linear_lowering(model, options.get("linear", "native"))
     encoders = {te["submodule"]: te for te in p.family.text_encoders}
     max_length = p.configs[p.family.text_encoders[0]["submodule"]].get(
         "max_position_embeddings", 77

@@ -18,6 +18,7 @@ file handle on the output archive, laid out beforehand (or by arrays the caller 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +43,21 @@ def file_io(device) -> bool:
     from ..device import CPU_DRIVERS
 
     return str(device).split(":")[0] in CPU_DRIVERS  # a HalDevice's str is its driver's id
+
+
+def encoder_device(encoder, device):
+    """The device an artifact's kept encoder (a manifest EncoderDecl) runs on: device, unless
+    the encoder names another driver (a GPU artifact's encoder is compiled for the host CPU)."""
+    if not encoder.driver or str(device).split(":")[0] == encoder.driver:
+        return device
+    return _driver_device(encoder.driver)
+
+
+@functools.cache
+def _driver_device(driver: str):
+    import iree.runtime as rt
+
+    return rt.get_driver(driver).create_default_device()
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from ..fileutil import remove_stale_temps, sha256_json, temp_path_for, user_cach
 from ..manifest import Manifest
 from ..residency import file_identity
 from .archive import Archive
+from .encoder import encoder_device
 from .pages import load_archive, store_encoded
 from .repack import REPACK_ENV, layout_for, repacked_index
 from .winograd import base_key, winograd_weight
@@ -119,7 +120,8 @@ class LoadedWeights:
                     load_archive(index, p)
                 self.indices[scope] = index
         for scope, name in encoded_scopes.items():
-            self.indices[scope] = self._encoded_index(name, device)
+            enc_device = encoder_device(manifest.submodules[name].encoder, device)
+            self.indices[scope] = self._encoded_index(name, enc_device)
 
     def _mapped(self, scope: str, path: Path) -> None:
         """Note that scope's pages are (also) mapped from the file at path."""

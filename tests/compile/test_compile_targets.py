@@ -11,6 +11,7 @@ from sdiree.compile.verify import TOLERANCE, check_parity
 from sdiree.runtime.fileutil import sha256_file
 from sdiree.runtime.manifest import check_files, load_manifest
 from sdiree.runtime.weights.archive import Archive
+from sdiree.runtime.weights.recover import sidecar_path
 
 SUBMODULES = {"text_encoder", "unet", "vae_decoder", "vae_encoder"}
 
@@ -19,7 +20,7 @@ def assert_manifest_complete(out, target, arch, dtype):
     m = load_manifest(out)
     check_files(m)  # every listed file exists and matches its sha256
     d = m.data
-    assert d["schema_version"] == 5
+    assert d["schema_version"] == 6
     assert d["target"] == {**d["target"], "name": target, "arch": arch}
     assert d["dtype"] == dtype
     assert d["iree_compiler_version"].startswith("3.13")
@@ -113,15 +114,31 @@ def test_gpu_targets_compile_and_load(compiled, target, arch, dtype):
 
 
 def test_parameters_shared_across_targets(compiled):
-    """Artifacts of one model and dtype link the compile cache's archive (no extra disk); the
-    cpu one keeps a pruned copy of it (compile/prune.py) that lists the same weights."""
+    """Artifacts of one model and dtype share the compile cache's archive: fp16 GPU ones link
+    it (no extra disk; their encoders' layouts are not learned, so nothing is pruned); fp32
+    ones, cpu and vulkan alike, keep a pruned copy of it (compile/prune.py) whose kept and
+    listed weights are the same set."""
+    rocm = load_manifest(compiled.get("rocm", "gfx942", "fp16"))
+    cuda = load_manifest(compiled.get("cuda", "sm_80", "fp16"))
     a = load_manifest(compiled.get("cpu", "host", "fp32"))
     b = load_manifest(compiled.get("vulkan-spirv", "lavapipe", "fp32"))
     for sub in ("unet", "text_encoder", "vae_decoder"):
+        pr, pc = (
+            rocm.path(rocm.submodules[sub].parameters),
+            cuda.path(cuda.submodules[sub].parameters),
+        )
+        assert pr.stat().st_nlink >= 3, "the shared parameter archive must be a link"
+        assert pr.samefile(pc)
+        assert not sidecar_path(pr).exists()
         pa, pb = a.path(a.submodules[sub].parameters), b.path(b.submodules[sub].parameters)
-        assert pb.stat().st_nlink >= 2, "the shared parameter archive must be a link"
         assert not pa.samefile(pb)
-        assert Archive(pa).entries.keys() == Archive(pb).entries.keys()
+
+        def listed(p):
+            side = sidecar_path(p)
+            dropped = json.loads(side.read_text())["keys"] if side.exists() else {}
+            return set(Archive(p).entries) | set(dropped)
+
+        assert listed(pa) == listed(pb)
     params = a.path(a.submodules["unet"].parameters)
     assert a.data["files"][a.submodules["unet"].parameters] == sha256_file(params)
 
@@ -191,7 +208,7 @@ def test_cpu_weights_are_derived_at_export_and_encoded_at_compile(compiled, comp
     """cpu: the Winograd weights are derived at export into their own shared archive; every
     submodule's repacked weights were computed by its encoder at compile time into
     `<submodule>.encoded.irpa` beside the vmfb, which the artifact then needs instead of the
-    derived archive. Without it the module cannot load; vulkan needs neither."""
+    derived archive. Without it the module cannot load; vulkan has no derived archive."""
     import iree.runtime as rt
 
     from sdiree.compile.param_encoder import loads_with
@@ -232,8 +249,12 @@ def test_cpu_weights_are_derived_at_export_and_encoded_at_compile(compiled, comp
     vmfb, shared = m.path(unet.vmfb), ("unet", m.path(unet.parameters))
     assert loads_with(vmfb, [shared, ("unet_encoded", out / "unet.encoded.irpa")], "local-task")
     assert not loads_with(vmfb, [shared], "local-task")
+    # vulkan derives no weights at export: only its text encoder loads an encoded archive
+    # beside the weights (tests/compile/test_gpu_encoded.py)
     vk = load_manifest(compiled.get("vulkan-spirv", "lavapipe", "fp32"))
-    assert all(not s.extra_parameters for s in vk.submodules.values())
+    for name, s in vk.submodules.items():
+        want = ((f"{name}.encoded.irpa", f"{name}_encoded"),) if name == "text_encoder" else ()
+        assert s.extra_parameters == want, name
 
 
 @pytest.mark.parametrize(

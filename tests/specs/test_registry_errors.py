@@ -191,6 +191,9 @@ def test_export_choices_match_the_exporters():
     pytest.importorskip("torch")
     from sdiree.compile.exporters.attention import ATTENTIONS
     from sdiree.compile.exporters.conv_matmul import CONV_CHOICES
+    from sdiree.compile.exporters.linear_flat import LINEAR_CHOICES
     from sdiree.runtime.targets import EXPORT_CHOICES
 
-    assert EXPORT_CHOICES == {"attention": ATTENTIONS, "conv": CONV_CHOICES}
+    assert EXPORT_CHOICES == {
+        "attention": ATTENTIONS, "conv": CONV_CHOICES, "linear": LINEAR_CHOICES
+    }  # fmt: skip

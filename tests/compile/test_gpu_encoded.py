@@ -1,0 +1,113 @@
+"""GPU modules compute nothing from their weights at load; what is left is precomputed on the CPU.
+
+IREE hoists what a module computes from its weights alone into its initializer. On the GPU
+targets that was a transposed copy of nearly every linear weight for the batch-1 functions
+(the UNet's unguided `denoise`, the text encoders): both copies held in device memory and, at
+SDXL size, 4.4 GB of copies in one device allocation, above the 4 GiB per allocation that AMD's
+and Intel's Vulkan drivers allow. The GPU targets now export linears as 2-D matmuls
+(`linear: "flat"`, compile/exporters/linear_flat.py), so the UNet and VAE modules have no such
+work; what is left (the text encoder's position table) is split into an encoder module compiled
+for the host CPU (targets.json `encoder`: no GPU needed to compile, and a moved artifact
+re-encodes `--weights` on any CPU of its kind), run once by compile, and any such output is
+loaded in parameters of at most 1 GiB on Vulkan (`--iree-stream-resource-max-allocation-size`).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sdiree.compile.param_encoder import loads_with
+from sdiree.runtime.manifest import load_manifest
+from sdiree.runtime.weights.pages import entry_views
+
+ROOT = Path(__file__).resolve().parents[2]
+CAP_FLAG = "--iree-stream-resource-max-allocation-size="
+GPU_BUILDS = (
+    ("vulkan-spirv", "lavapipe", "fp32"),
+    ("vulkan-spirv", "lavapipe", "fp16"),
+    ("rocm", "gfx942", "fp16"),
+    ("cuda", "sm_80", "fp16"),
+)
+
+
+@pytest.mark.parametrize("target,arch,dtype", GPU_BUILDS)
+def test_gpu_modules_make_no_copies_of_their_weights_at_load(compiled, target, arch, dtype):
+    """iree-compile splits out an encoder wherever a module computes anything from its weights
+    at load: the UNet and VAE have none; the text encoder's (its position table) runs on the
+    host CPU and its output is loaded beside the weights."""
+    m = load_manifest(compiled.get(target, arch, dtype))
+    encoded = {name for name, sub in m.submodules.items() if sub.encoder is not None}
+    assert encoded == {"text_encoder"}
+    sub = m.submodules["text_encoder"]
+    assert sub.encoder.driver == "local-task"
+    assert sub.extra_parameters == (("text_encoder.encoded.irpa", "text_encoder_encoded"),)
+    assert m.path(sub.encoder.vmfb).is_file()
+    assert m.data["schema_version"] == 6
+
+
+def test_vulkan_text_encoder_loads_the_encoded_weights(compiled):
+    """The lavapipe module needs its encoded archive: it no longer computes it at load."""
+    m = load_manifest(compiled.get("vulkan-spirv", "lavapipe", "fp32"))
+    te = m.submodules["text_encoder"]
+    vmfb, own = m.path(te.vmfb), ("text_encoder", m.path(te.parameters))
+    encoded = ("text_encoder_encoded", m.path(te.extra_parameters[0][0]))
+    assert loads_with(vmfb, [own, encoded], "vulkan")
+    assert not loads_with(vmfb, [own], "vulkan")
+
+
+def _native_linear_capped_specs(tmp_path: Path, cap: int) -> Path:
+    """The shipped specs with vulkan's linears traced natively (the UNet's batch-1 function
+    then makes transposed copies at load, which the encoder precomputes) and the cap at cap."""
+    specs = tmp_path / "specs"
+    shutil.copytree(ROOT / "specs", specs)
+    data = json.loads((specs / "targets.json").read_text())
+    vk = data["targets"]["vulkan-spirv"]
+    assert sum(f.startswith(CAP_FLAG) for f in vk["flags"]) == 1, "the shipped cap moved"
+    vk["flags"] = [f"{CAP_FLAG}{cap}" if f.startswith(CAP_FLAG) else f for f in vk["flags"]]
+    assert vk["export"].pop("linear") == "flat"
+    (specs / "targets.json").write_text(json.dumps(data))
+    return specs
+
+
+def test_encoded_parameters_respect_the_allocation_cap(
+    tiny_model, compiled, compile_cache, tmp_path
+):
+    """Native linears: the tiny UNet's transposed copies (560 KiB) are precomputed by the CPU
+    encoder, and with the cap below that (above the largest weight, 288 KiB: one weight is
+    never split) they come in several parameters, none above it. The images of that build and
+    of the shipped one are the same, pixel for pixel."""
+    from PIL import Image
+
+    from sdiree.compile.driver import CompileOptions, compile_model
+    from sdiree.compile.report import Reporter
+    from sdiree.runtime.generate import generate_to_files
+
+    cap = 384 * 1024
+    shipped = compiled.get("vulkan-spirv", "lavapipe", "fp32")
+    native = tmp_path / "native-capped"
+    opts = CompileOptions(
+        tiny_model, "vulkan-spirv", arch="lavapipe", dtype="fp32", out=native,
+        specs_dir=_native_linear_capped_specs(tmp_path, cap),
+    )  # fmt: skip
+    compile_model(opts, Reporter(stream=io.StringIO()))
+    assert load_manifest(native).submodules["unet"].encoder.driver == "local-task"
+    parts = entry_views(native / "unet.encoded.irpa")
+    assert len(parts) > 1 and sum(v.nbytes for v in parts.values()) > cap
+    assert max(v.nbytes for v in parts.values()) <= cap
+
+    images = []
+    for art in (shipped, native):
+        png = tmp_path / f"{art.name}.png"
+        generate_to_files(
+            artifact_dir=art, prompt="a red boat", negative_prompt="", steps=2,
+            guidance_scale=7.5, scheduler="euler", seed=3, num_images=1, output=png,
+        )  # fmt: skip
+        with Image.open(png) as im:
+            images.append(np.asarray(im.convert("RGB")))
+    assert np.array_equal(images[0], images[1])
