@@ -94,7 +94,7 @@ class Builder:
 
     # -- keys ---------------------------------------------------------------------------
     def export_options(self, submodule: str) -> dict:
-        return self.plan.target.export_for(submodule, self.plan.dtype)
+        return self.plan.target.export_for(submodule, self.plan.dtype, self.plan.arch)
 
     def export_key(self, submodule: str) -> str:
         p = self.plan

@@ -33,6 +33,8 @@ class Arch:
     device: dict = field(default_factory=dict)
     # {submodule or "*": spec}, used instead of the target's
     tuning_specs: dict[str, str] = field(default_factory=dict)
+    # export choices for this chip, over the target's and its submodules' (a null drops one)
+    export: dict = field(default_factory=dict)
 
     def features(self) -> frozenset[str]:
         if self.cpu_features == "host":
@@ -88,13 +90,15 @@ class Target:
     encoder_flags: tuple[str, ...] = ()
     submodule_export: dict[str, dict] = field(default_factory=dict)  # submodule -> overrides
 
-    def export_for(self, submodule: str, dtype: str | None = None) -> dict:
-        """The export choices of one submodule: the target's, with the submodule's overrides
-        and then the dtype option's for it on top (a null override drops a choice)."""
+    def export_for(self, submodule: str, dtype: str | None = None, arch: str | None = None) -> dict:
+        """The export choices of one submodule: the target's, with the submodule's overrides,
+        then the arch preset's, then the dtype option's for it on top (a null override drops a
+        choice)."""
         opt = self.dtype_options.get(dtype) if dtype else None
         choices = {
             **self.export,
             **self.submodule_export.get(submodule, {}),
+            **(self.arches[arch].export if arch in self.arches else {}),
             **(opt.submodule_export.get(submodule, {}) if opt else {}),
         }
         return {k: v for k, v in choices.items() if v is not None}
@@ -239,6 +243,7 @@ ARCH_FIELDS = {
     "cpu_features": "features",
     "device": "dict",
     "tuning_specs": "str_map",
+    "export": "dict",
 }
 # What a vulkan preset's modules need from a device (runtime/device_select.py checks them):
 # vendor_ids ("0x1002", for --arch auto), subgroup_sizes (each must be one the device can run
@@ -392,6 +397,7 @@ def check_registry(data: dict, path: Path) -> None:
                 spec.get("tuning_specs", {}), [*submodules, "*"], f"{wa}.tuning_specs", "submodule"
             )
             c.names(spec.get("device", {}), DEVICE_FIELDS, f"{wa}.device", "device requirement")
+            c.export(spec.get("export", {}), f"{wa}.export", unet=False, nullable=True)
             for pattern in spec.get("device_match", ()):
                 try:
                     re.compile(pattern)
@@ -446,6 +452,7 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
                 cpu_features=_cpu_features(spec.get("cpu_features", ())),
                 device=dict(spec.get("device", {})),
                 tuning_specs=dict(spec.get("tuning_specs", {})),
+                export=dict(spec.get("export", {})),
             )
             for a, spec in t["arches"].items()
         }

@@ -249,11 +249,11 @@ def test_cpu_weights_are_derived_at_export_and_encoded_at_compile(compiled, comp
     vmfb, shared = m.path(unet.vmfb), ("unet", m.path(unet.parameters))
     assert loads_with(vmfb, [shared, ("unet_encoded", out / "unet.encoded.irpa")], "local-task")
     assert not loads_with(vmfb, [shared], "local-task")
-    # vulkan derives no weights at export: only its text encoder loads an encoded archive
-    # beside the weights (tests/compile/test_gpu_encoded.py)
+    # vulkan derives no weights at export: all but its UNet load an encoded archive beside the
+    # weights (tests/compile/test_gpu_encoded.py)
     vk = load_manifest(compiled.get("vulkan-spirv", "lavapipe", "fp32"))
     for name, s in vk.submodules.items():
-        want = ((f"{name}.encoded.irpa", f"{name}_encoded"),) if name == "text_encoder" else ()
+        want = ((f"{name}.encoded.irpa", f"{name}_encoded"),) if name != "unet" else ()
         assert s.extra_parameters == want, name
 
 

@@ -6,7 +6,7 @@ targets that was a transposed copy of nearly every linear weight for the batch-1
 SDXL size, 4.4 GB of copies in one device allocation, above the 4 GiB per allocation that AMD's
 and Intel's Vulkan drivers allow. The GPU targets now export linears as 2-D matmuls
 (`linear: "flat"`, compile/exporters/linear_flat.py), so the UNet and VAE modules have no such
-work; what is left (the text encoder's position table) is split into an encoder module compiled
+work (the VAE keeps native linears: four small copies); what is left is split into an encoder module compiled
 for the host CPU (targets.json `encoder`: no GPU needed to compile, and a moved artifact
 re-encodes `--weights` on any CPU of its kind), run once by compile, and any such output is
 loaded in parameters of at most 1 GiB on Vulkan (`--iree-stream-resource-max-allocation-size`).
@@ -39,11 +39,19 @@ GPU_BUILDS = (
 @pytest.mark.parametrize("target,arch,dtype", GPU_BUILDS)
 def test_gpu_modules_make_no_copies_of_their_weights_at_load(compiled, target, arch, dtype):
     """iree-compile splits out an encoder wherever a module computes anything from its weights
-    at load: the UNet and VAE have none; the text encoder's (its position table) runs on the
-    host CPU and its output is loaded beside the weights."""
+    at load: the UNet has none; the text encoder's (its position table) runs on the host CPU
+    and its output is loaded beside the weights. The VAE keeps native linears (flat, its
+    512-wide attention matmul needs 84 KiB of shared memory on ampere, limit 48): on vulkan
+    its four attention weights may come as precomputed copies (vulkan, cuda: 2 MB at SD 1.5
+    size), a small share of its weights."""
     m = load_manifest(compiled.get(target, arch, dtype))
     encoded = {name for name, sub in m.submodules.items() if sub.encoder is not None}
-    assert encoded == {"text_encoder"}
+    assert "text_encoder" in encoded and "unet" not in encoded
+    for name in encoded - {"text_encoder"}:
+        assert name in ("vae_decoder", "vae_encoder"), name
+        sub = m.submodules[name]
+        copies = m.path(sub.extra_parameters[0][0]).stat().st_size
+        assert copies < 0.05 * m.path(sub.parameters).stat().st_size, name
     sub = m.submodules["text_encoder"]
     assert sub.encoder.driver == "local-task"
     assert sub.extra_parameters == (("text_encoder.encoded.irpa", "text_encoder_encoded"),)

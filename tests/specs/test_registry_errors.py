@@ -136,6 +136,18 @@ CASES = {
         _cpu(lambda t: t["submodule_export"]["vae_decoder"].__setitem__("plain_from_downscale", 8)),
         "plain_from_downscale applies to the unet only",
     ),
+    "unknown-linear-of-an-arch": (
+        _edit(
+            lambda d: d["targets"]["vulkan-spirv"]["arches"]["ampere"]["export"].__setitem__(
+                "linear", "bent"
+            )
+        ),
+        "targets.vulkan-spirv.arches.ampere.export.linear is 'bent'",
+    ),
+    "encoder-without-encode-parameters": (
+        _edit(lambda d: d["targets"]["rocm"].__setitem__("encode_parameters", False)),
+        "targets.rocm.encoder is set but encode_parameters is not true",
+    ),
     "encode-parameters-a-string": (
         _cpu(lambda t: t.__setitem__("encode_parameters", "yes")),
         "targets.cpu.encode_parameters must be true or false",
