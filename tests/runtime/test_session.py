@@ -102,7 +102,8 @@ def test_other_errors_are_not_retried(cpu_art, monkeypatch):
 
 def test_schema_1_manifest_still_loads(compiled, tmp_path):
     """A version-1 manifest (before extra_parameters) is read; its submodules load only their
-    one archive. Here: the vulkan artifact, which has no extra archives, relabelled as v1."""
+    one archive. Here: the vulkan artifact relabelled as v1 and its UNet, which has no extra
+    archive (its other modules load encoded ones, which v1 did not have)."""
     import json
     import shutil
 
@@ -112,15 +113,17 @@ def test_schema_1_manifest_still_loads(compiled, tmp_path):
     (art.parent / "params").symlink_to(src.parent / "params")
     data = json.loads((art / "manifest.json").read_text())
     data["schema_version"] = 1
+    assert data["submodules"]["unet"]["extra_parameters"] == []
     for sub in data["submodules"].values():
-        assert sub.pop("extra_parameters") == []
+        sub.pop("extra_parameters")
+        sub.pop("encoder", None)
     (art / "manifest.json").write_text(json.dumps(data))
     m = load_manifest(art)
     assert all(s.archives() == [(s.parameters, s.scope)] for s in m.submodules.values())
     from sdiree.runtime.device import list_devices
 
-    s = session.Session(m, list_devices("vulkan")[0], ["text_encoder"])
-    assert ("text_encoder", "encode") in s._functions
+    s = session.Session(m, list_devices("vulkan")[0], ["unet"])
+    assert ("unet", "denoise_cfg") in s._functions
 
 
 def test_cpu_unet_loads_its_model_weights_and_its_encoded_weights(cpu_art):
