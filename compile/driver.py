@@ -519,13 +519,11 @@ class Builder:
         """Learn how encoder packs each weight (weights/layout.py) and save it at layout, so a
         LoRA is re-packed in numpy from its first use; nothing saved when it cannot be learned
         (the runtime then runs the encoder)."""
-        import iree.runtime as rt
-
+        from sdiree.runtime.weights.encoder import driver_device
         from sdiree.runtime.weights.repack import learn_layout
 
         from .exporters import scope_for
 
-        device = rt.get_driver(self.encoder_driver).create_default_device()
         learned = learn_layout(
             encoder,
             archives[:1],
@@ -533,7 +531,7 @@ class Builder:
             encoded,
             scope_for(submodule),
             scope,
-            device,
+            driver_device(self.encoder_driver),
             temp_path_for(layout.with_suffix(".irpa")),
             derived_archives=archives[1:],
         )

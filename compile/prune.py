@@ -1,7 +1,7 @@
 """Drop from an artifact the original weights that its encoded archives already hold.
 
-With encoded parameters (cpu, and GPU targets' fp32) a module loads by name only the few original tensors that no
-encoder consumes (norms, biases); every other weight reaches it packed, from
+With encoded parameters (cpu, and the GPU targets' fp32 modules that have an encoder) a module
+loads by name only the few original tensors that no encoder consumes (norms, biases); every other weight reaches it packed, from
 `<submodule>.encoded.irpa`. Keeping the whole original archive beside the packed copies
 doubles the disk (SD 1.5: 5.5 GB of 13.8). So, for each archive of a scope whose every
 encoded submodule has a complete learned layout, the artifact keeps:
@@ -13,8 +13,8 @@ and lists the rest in `<archive>.pruned.json`, which the runtime's Archive reads
 encoded archives (sdiree.runtime.weights.recover) when a LoRA, `--weights` or an embedding
 needs them. The pruned archive is proven to load: every module that reads it is loaded with it
 before it replaces the full one; where that cannot be done here (no device of a GPU target's
-driver on this machine), the archive stays whole. The compile cache keeps the full archive (a hardlink in the
-artifact before), so recompiles read from there.
+driver on this machine), the archive stays whole. The compile cache keeps the full archive (a
+hardlink in the artifact before), so recompiles read from there.
 """
 
 from __future__ import annotations

@@ -50,11 +50,12 @@ def encoder_device(encoder, device):
     the encoder names another driver (a GPU artifact's encoder is compiled for the host CPU)."""
     if not encoder.driver or str(device).split(":")[0] == encoder.driver:
         return device
-    return _driver_device(encoder.driver)
+    return driver_device(encoder.driver)
 
 
 @functools.cache
-def _driver_device(driver: str):
+def driver_device(driver: str):
+    """The default device of an IREE driver, created once per process."""
     import iree.runtime as rt
 
     return rt.get_driver(driver).create_default_device()
