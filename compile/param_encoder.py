@@ -21,7 +21,7 @@ from pathlib import Path
 
 from sdiree.runtime.fileutil import temp_path_for
 from sdiree.runtime.session import parameter_providers
-from sdiree.runtime.weights.encoder import input_providers
+from sdiree.runtime.weights.encoder import driver_device, input_providers
 from sdiree.runtime.weights.encoder import run_encoder as _run_encoder
 from sdiree.runtime.weights.pages import store_encoded
 
@@ -61,11 +61,13 @@ def run_encoder(
 
 def loads_with(vmfb: Path, archives: list[tuple[str, Path]], driver: str) -> bool:
     """Whether vmfb finds every parameter it needs in archives [(scope, path)]: its
-    initializers run here, so with encoded weights this is a cheap load."""
+    initializers run here, so with encoded weights this is a cheap load. The device is the
+    process's cached one: destroying a Vulkan device whose context failed half-way through its
+    initializer crashed lavapipe about one time in ten (compile/NOTES.md)."""
     import iree.runtime as rt
 
     instance = rt.VmInstance()
-    device = rt.get_driver(driver).create_default_device()
+    device = driver_device(driver)
     providers = parameter_providers(archives)
     # Held in names: a module freed while VmContext raises turns the error into a SystemError.
     params = rt.create_io_parameters_module(instance, *providers)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +69,24 @@ def test_vulkan_text_encoder_loads_the_encoded_weights(compiled):
     encoded = ("text_encoder_encoded", m.path(te.extra_parameters[0][0]))
     assert loads_with(vmfb, [own, encoded], "vulkan")
     assert not loads_with(vmfb, [own], "vulkan")
+
+
+def test_failed_vulkan_probes_do_not_crash_the_process(compiled):
+    """Compile probes whether a module loads without its encoded archive (driver.py, prune.py).
+    A Vulkan device destroyed after such a failed load crashed lavapipe about one time in ten
+    (a segfault that took down the whole test run), so the probes share one device: twenty of
+    them in a child process, which must exit cleanly."""
+    m = load_manifest(compiled.get("vulkan-spirv", "lavapipe", "fp32"))
+    te = m.submodules["text_encoder"]
+    script = (
+        "import sys; from pathlib import Path\n"
+        "from sdiree.compile.param_encoder import loads_with\n"
+        "vmfb, own = Path(sys.argv[1]), ('text_encoder', Path(sys.argv[2]))\n"
+        "assert not any(loads_with(vmfb, [own], 'vulkan') for _ in range(20))\n"
+    )
+    args = [str(m.path(te.vmfb)), str(m.path(te.parameters))]
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def _native_linear_capped_specs(tmp_path: Path, cap: int) -> Path:
