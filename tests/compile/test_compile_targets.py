@@ -10,6 +10,7 @@ import pytest
 from sdiree.compile.verify import TOLERANCE, check_parity
 from sdiree.runtime.fileutil import sha256_file
 from sdiree.runtime.manifest import check_files, load_manifest
+from sdiree.runtime.targets import load_registry
 from sdiree.runtime.weights.archive import Archive
 from sdiree.runtime.weights.recover import sidecar_path
 
@@ -156,7 +157,8 @@ def test_export_choice_differs_by_target(compiled):
     assert cpu32["target"]["export"]["conv"] == "winograd"
     # ... the VAE with F(4x4,3x3), its own choice in the preset, recorded per submodule
     assert cpu32["submodules"]["unet"]["export"]["conv"] == "winograd"
-    assert cpu32["submodules"]["unet"]["export"]["winograd4_min_side"] == 32
+    preset = load_registry().target("cpu").export_for("unet")["winograd4_min_side"]
+    assert cpu32["submodules"]["unet"]["export"]["winograd4_min_side"] == preset
     assert cpu32["submodules"]["vae_decoder"]["export"]["conv"] == "winograd4"
     assert cpu32["submodules"]["vae_decoder"]["mlir"] != vk32["submodules"]["vae_decoder"]["mlir"]
     assert vk32["target"]["export"].get("conv", "native") == "native"
