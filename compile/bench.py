@@ -31,7 +31,12 @@ Method:
   memory, and the parent (which compiled) holds no model while timing.
 - The parent drives the two workers in turn, one call at a time, alternating for every run
   (sdiree run i, torch run i, sdiree run i+1, ...), so drift in machine load hits both sides; a
-  worker waits idle on its pipe while the other runs. Each figure gets W warm-up runs and then
+  worker waits idle on its pipe while the other runs. Both stay loaded the whole time, so a
+  model whose sides do not fit in memory together (SDXL in fp32 on a 24 GiB machine: ~14 GB of
+  torch weights beside sdiree's) would be timed while the kernel evicts one side's mapped
+  weights; ``in_turn`` (``--in-turn``) instead runs one side's worker through every figure,
+  closes it, then starts the next (no alternation: a quiet machine matters more). Each side's
+  ``worker_s`` (start, end) on the parent's clock shows which way it ran. Each figure gets W warm-up runs and then
   N timed runs; median, min and max are over the N timed runs. The image figure runs first, so
   its first run is each process's first inference after loading.
 - Every call converts its inputs from numpy and its outputs back to numpy on the host, on both
@@ -148,6 +153,7 @@ class BenchOptions:
     seed: int = 42
     specs_dir: Path | None = None
     peers: str | None = None  # e.g. "openvino,onnxruntime" (compile/peers/__init__.py)
+    in_turn: bool = False  # one side's worker at a time (models whose sides do not fit together)
 
 
 # -- the parent: compile, drive the workers, report -----------------------------------------------
@@ -297,19 +303,24 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
     total = opts.warmup + opts.runs
     workers: dict[str, Worker] = {}
     runs: dict[str, dict[str, list[dict]]] = {f: {s: [] for s in sides} for f in FIGURES}
-    try:
-        for side in sides:
+    loads: dict[str, dict] = {}
+    clock0 = time.monotonic()
+
+    def start(group: tuple[str, ...]) -> None:
+        for side in group:
             workers[side] = Worker(side, work / "spec.json", work / f"{side}.log")
-        loads = {}
-        for side in sides:
+            loads[side] = {"worker_s": [time.monotonic() - clock0, None]}
+        for side in group:
             say(f"[bench load {side}] ...")
-            loads[side] = workers[side].ask(op="import")
+            loads[side].update(workers[side].ask(op="import"))
             loads[side].update(workers[side].ask(op="load"))
             say(f"[bench load {side}] done in {loads[side]['seconds']:.1f}s")
+
+    def time_figures(group: tuple[str, ...]) -> None:
         for figure in RUN_ORDER:
             for i in range(total):
                 line = []
-                for side in sides:
+                for side in group:
                     save = str(work / f"{side}-{figure}.npz") if i == total - 1 else None
                     r = workers[side].ask(op="run", figure=figure, save=save)
                     r["warmup"] = i < opts.warmup
@@ -318,13 +329,22 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
                     time.sleep(SETTLE_S)
                 kind = "warm-up" if i < opts.warmup else "run"
                 say(f"[bench {figure}] {kind} {i + 1}/{total}: " + ", ".join(line))
+
+    def close(group: tuple[str, ...]) -> None:
+        for side in group:
+            workers.pop(side).close()
+            loads[side]["worker_s"][1] = time.monotonic() - clock0
+
+    try:
+        for group in [(side,) for side in sides] if opts.in_turn else [sides]:
+            start(group)
+            time_figures(group)
+            close(group)
     except BaseException:
         for w in workers.values():
             w.close(kill=True)
         say(f"bench: worker logs kept in {work}")
         raise
-    for w in workers.values():
-        w.close()
 
     labels = _figure_labels(manifest, opts.steps, sched)
     figures = {}
@@ -386,7 +406,12 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
         },
         "environment": {**_environment(), "loadavg_start": load_start, "loadavg_end": _loadavg()},
         "method": {
-            "alternation": "sdiree run i, torch run i, ... in two fresh worker processes",
+            "alternation": (
+                "in turn: each side's fresh worker runs every figure, then closes, before the "
+                "next side's starts (--in-turn)"
+                if opts.in_turn
+                else "sdiree run i, torch run i, ... in two fresh worker processes"
+            ),
             "timed": "median/min/max over the timed runs, after the warm-up runs",
             "memory": "peak process RSS over each call (VmHWM after a reset), per side process",
             "memory_method": loads["sdiree"]["memory_method"],

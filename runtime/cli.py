@@ -207,6 +207,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
         seed=a.seed,
         specs_dir=a.specs,
         peers=a.peers,
+        in_turn=a.in_turn,
     )
     _call_compile_side("bench", run_bench, options)
 
@@ -460,6 +461,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time these CPU engines, comma-separated: openvino (= openvino-f32 and "
         "openvino-default), openvino-f32, openvino-default, onnxruntime (needs the peers extra: "
         "pip install 'sdiree[peers]')",
+    )
+    p.add_argument(
+        "--in-turn",
+        action="store_true",
+        help="run one side's worker at a time, through every figure, instead of alternating "
+        "call by call (for models whose sides do not fit in memory together, e.g. SDXL fp32)",
     )
     p.set_defaults(func=cmd_bench)
     return parser

@@ -157,6 +157,28 @@ def test_cli_bench(compiled, cpu_art, tmp_path):
     assert report["figures"]["unet"]["sdiree"]["peak_rss_later_mb"] is None  # only one run
 
 
+def test_alternated_sides_share_the_machine(bench):
+    report, _, _ = bench
+    (s0, s1), (t0, t1) = (report["sides"][side]["worker_s"] for side in ("sdiree", "torch"))
+    assert s0 < t1 and t0 < s1  # both workers alive at once, calls alternated
+    assert report["method"]["alternation"].startswith("sdiree run i, torch run i")
+
+
+def test_cli_bench_in_turn_runs_one_worker_at_a_time(compiled, cpu_art, tmp_path):
+    path = tmp_path / "in-turn.json"
+    proc = sdiree("bench", compiled.model, "--target", "cpu", "--out", cpu_art, "--runs", 1,
+                  "--warmup", 0, "--steps", 2, "--in-turn", "--json", path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(path.read_text())
+    (s0, s1), (t0, t1) = (report["sides"][side]["worker_s"] for side in ("sdiree", "torch"))
+    assert s0 < s1 <= t0 < t1, (s0, s1, t0, t1)  # sdiree's worker closed before torch's started
+    assert report["method"]["alternation"].startswith("in turn")
+    for figure in FIGURES:  # every figure still timed and compared on both sides
+        entry = report["figures"][figure]
+        assert number(entry["ratio"]) and entry["parity"]["worst"] is not None, figure
+    assert report["figures"]["image"]["parity"]["max_abs"] <= 8  # as when alternated
+
+
 def test_cli_bench_torch_in_another_dtype(compiled, cpu_art, tmp_path):
     # e.g. a cuda fp32 artifact against torch fp16: torch's inputs are cast to its dtype
     path = tmp_path / "bf16.json"
