@@ -39,14 +39,13 @@ def encoder_flags(encoder_mlir: Path, scope: str) -> list[str]:
 def run_encoder(
     encoder_vmfb: Path, inputs: list[tuple[str, Path]], scope: str, out: Path, driver: str
 ) -> int:
-    """run_encoder (sdiree.runtime.weights.encoder) over input archives [(scope, path)] on a
-    new device of driver, its output kept at out as a paged archive (each distinct page once:
+    """run_encoder (sdiree.runtime.weights.encoder) over input archives [(scope, path)] on the
+    process's device of driver (the one the load probes and layout learning use), its output
+    kept at out as a paged archive (each distinct page once:
     the packed copies of a weight for different matmul sizes are byte-identical). Where the
     driver can (file_io) the inputs are read and the output written through file handles,
     never mapped: SD 1.5's UNet encodes in < 1 GiB instead of 14-17 GiB of mapped pages."""
-    import iree.runtime as rt
-
-    device = rt.get_driver(driver).create_default_device()
+    device = driver_device(driver)
     raw = temp_path_for(out.with_name(f"{out.stem}.raw{out.suffix}"))
     try:
         with input_providers(inputs, device) as sources:
@@ -59,11 +58,63 @@ def run_encoder(
     return count
 
 
+PROBE_LOADS, PROBE_MISSING = 0, 10  # a probe child's exit codes (anything else: it failed)
+PROBE_TRIES = 3
+
+
 def loads_with(vmfb: Path, archives: list[tuple[str, Path]], driver: str) -> bool:
     """Whether vmfb finds every parameter it needs in archives [(scope, path)]: its
-    initializers run here, so with encoded weights this is a cheap load. The device is the
-    process's cached one: destroying a Vulkan device whose context failed half-way through its
-    initializer crashed lavapipe about one time in ten (compile/NOTES.md)."""
+    initializers run here, so with encoded weights this is a cheap load.
+
+    On a GPU driver each probe runs in a child process that exits without tearing anything
+    down: after a context failed half-way through its initializer, lavapipe segfaulted about
+    one time in ten when that device was destroyed, and a device kept for the next probe
+    instead sometimes failed it with "transient buffer has no staged Vulkan backing"
+    (compile/NOTES.md). A child that dies of a signal is tried again; one that fails otherwise
+    raises RuntimeError with its last line. CPU drivers probe in this process."""
+    from sdiree.runtime.device import CPU_DRIVERS
+
+    if driver in CPU_DRIVERS:
+        return _loads_here(vmfb, archives, driver)
+    import json
+    import subprocess
+    import sys
+
+    from .iree_compile import _die_with_parent
+
+    request = json.dumps({"vmfb": str(vmfb), "archives": [[s, str(p)] for s, p in archives],
+                          "driver": driver})  # fmt: skip
+    code = "from sdiree.compile.param_encoder import _probe_main; _probe_main()"
+    for _ in range(PROBE_TRIES):
+        proc = subprocess.run([sys.executable, "-c", code, request], capture_output=True,
+                              text=True, preexec_fn=_die_with_parent())  # fmt: skip
+        if proc.returncode in (PROBE_LOADS, PROBE_MISSING):
+            return proc.returncode == PROBE_LOADS
+        if proc.returncode > 0:
+            break
+    lines = proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"]
+    raise RuntimeError(f"loading {vmfb.name} on {driver} failed: {lines[-1]}")
+
+
+def _probe_main() -> None:
+    """A probe child: loads_with on the request in argv[1], answered by the exit code. It
+    leaves with os._exit, so no device or context is destroyed (the crash above)."""
+    import json
+    import os
+    import sys
+
+    req = json.loads(sys.argv[1])
+    archives = [(s, Path(p)) for s, p in req["archives"]]
+    try:
+        loaded = _loads_here(Path(req["vmfb"]), archives, req["driver"])
+    except Exception as e:  # noqa: BLE001 - reported to the parent through stderr
+        print(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(PROBE_LOADS if loaded else PROBE_MISSING)
+
+
+def _loads_here(vmfb: Path, archives: list[tuple[str, Path]], driver: str) -> bool:
     import iree.runtime as rt
 
     instance = rt.VmInstance()

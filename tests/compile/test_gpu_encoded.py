@@ -74,8 +74,9 @@ def test_vulkan_text_encoder_loads_the_encoded_weights(compiled):
 def test_failed_vulkan_probes_do_not_crash_the_process(compiled):
     """Compile probes whether a module loads without its encoded archive (driver.py, prune.py).
     A Vulkan device destroyed after such a failed load crashed lavapipe about one time in ten
-    (a segfault that took down the whole test run), so the probes share one device: twenty of
-    them in a child process, which must exit cleanly."""
+    (a segfault that took down the whole test run), and one kept for the next probe sometimes
+    failed it with a stale transient buffer; so each Vulkan probe runs in its own child: twenty
+    of them, from a process which must exit cleanly, each answering "does not load"."""
     m = load_manifest(compiled.get("vulkan-spirv", "lavapipe", "fp32"))
     te = m.submodules["text_encoder"]
     script = (
@@ -87,6 +88,16 @@ def test_failed_vulkan_probes_do_not_crash_the_process(compiled):
     args = [str(m.path(te.vmfb)), str(m.path(te.parameters))]
     proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_vulkan_probe_that_fails_otherwise_raises_one_line(compiled, tmp_path):
+    m = load_manifest(compiled.get("vulkan-spirv", "lavapipe", "fp32"))
+    te = m.submodules["text_encoder"]
+    broken = tmp_path / "broken.vmfb"
+    broken.write_bytes(m.path(te.vmfb).read_bytes()[:4096])  # a truncated module
+    with pytest.raises(RuntimeError, match=r"loading broken\.vmfb on vulkan failed: \w+") as e:
+        loads_with(broken, [("text_encoder", m.path(te.parameters))], "vulkan")
+    assert "\n" not in str(e.value)
 
 
 def _native_linear_capped_specs(tmp_path: Path, cap: int) -> Path:
