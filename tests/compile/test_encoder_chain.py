@@ -146,3 +146,10 @@ def test_a_chain_of_another_shape_is_refused(encoders):
                  "%arg1 : (!hal.fence) => !stream.timepoint")  # fmt: skip
     with pytest.raises(ChainError, match="%arg1"):
         split_chain("\n".join(lines), max_steps=2, part_steps=2)
+
+
+def test_split_long_chain_leaves_a_module_it_cannot_split(tmp_path, monkeypatch):
+
+    path = tmp_path / "enc.mlir"
+    path.write_text("module @encoder {\n}\n")  # no encode function
+    assert not split_long_chain(path) and path.read_text() == "module @encoder {\n}\n"
