@@ -439,7 +439,7 @@ class Builder:
         to precompute."""
         from sdiree.runtime.weights.archive import Archive
 
-        from .encoder_chain import split_long_chain
+        from .encoder_chain import compile_encoder
         from .exporters import scope_for
         from .iree_compile import compile_mlir
         from .param_encoder import encoder_flags, loads_with, run_encoder
@@ -459,8 +459,7 @@ class Builder:
                 encoder.unlink(missing_ok=True)
                 return None
             with self.r.stage("encode", submodule):
-                split_long_chain(enc_mlir)
-                compile_mlir(enc_mlir, enc_vmfb, self.encoder_flags(flags), log)
+                compile_encoder(enc_mlir, enc_vmfb, self.encoder_flags(flags), log, compile_mlir)
                 count = run_encoder(
                     enc_vmfb,
                     [(scope_for(submodule), a) for a in archives],

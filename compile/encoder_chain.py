@@ -9,10 +9,13 @@ does not settle on a chain that long: SDXL's UNet for cpu (2,182 steps) fails wi
 iteration count exceeded in fixed point pipeline", while its first 1,091 steps alone compile
 (compile/NOTES.md). SD 1.5's and SD 2.1's encoders have shorter chains and compile as written.
 
-So where the chain has more than MAX_STEPS steps, every PART_STEPS steps after the first part go
-into a private function of their own that takes the previous step's timepoint and returns its
-last one (`inlining_policy = #util.inline.never`, or the stream phase's inliner would put them
-back), called one after the other from the encode function. The constants a part uses (buffer
+So where the chain has more than MAX_STEPS steps (or it fails to compile on the fixed point),
+every PART_STEPS steps after the first part go into a private function of their own that
+takes the previous step's timepoint and returns its last one (`inlining_policy =
+#util.inline.never`, or the stream phase's inliner would put them back), called one after the
+other from the encode function; while iree-compile still fails on the fixed point the parts are
+halved (the bound is not a plain chain length: one chain of 1,091 steps compiled, four parts of
+550 did not). The constants a part uses (buffer
 names, sizes, offsets, the transient sizes of `stream.resource.pack`) are pure and are copied
 into it; the timepoint is the only value that crosses. The steps, their order and their
 dependencies are unchanged, so the encoder writes the same bytes
@@ -25,10 +28,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Measured on SDXL's cpu UNet encoder: 2,182 steps fail, its first 1,091 compile; SD 1.5's
-# encoder (about 11.5 GB out, ~1,050 steps at SDXL's ~11 MB a step) always compiled as written.
-MAX_STEPS = 1100  # chains up to this long are left as they are
-PART_STEPS = 550
+# Measured on SDXL's cpu UNet encoder: 2,182 steps in one chain fail, its first 1,091 alone
+# compile, and split into parts of 500 and 250 it compiles, of 550 not. SD 1.5's encoder (~11.5 GB
+# out, ~1,050 steps at SDXL's ~11 MB a step) always compiled as written.
+MAX_STEPS = 1100  # chains up to this long are compiled as they are (and split if that fails)
+PART_STEPS = 250
 
 _NAME = re.compile(r"%[A-Za-z0-9_$.]+")
 # ops the parts may copy: no side effects, results depend only on their operands
@@ -168,18 +172,37 @@ def _pure_closure(body: list[_Op], carried: str, defined_by: dict[str, _Op]) -> 
     return sorted(needed.values(), key=lambda op: order[id(op)])
 
 
-def split_long_chain(path: Path) -> bool:
-    """Rewrite the encoder module at path in place where its chain is too long to compile
-    as one function; returns whether it did. A module of another shape (a later iree) is left
-    as written: iree-compile then says what it makes of it."""
+FIXED_POINT = "maximum iteration count exceeded in fixed point pipeline"
+MIN_PART_STEPS = 32
+
+
+def compile_encoder(mlir: Path, vmfb: Path, flags: list[str], log: Path, compile_fn) -> int:
+    """compile_fn(mlir, vmfb, flags, log) the encoder module at mlir; where its chain is longer
+    than MAX_STEPS it is first split into parts of PART_STEPS, and while iree-compile fails on
+    the fixed point the parts are halved (down to MIN_PART_STEPS), as where the bound lies is
+    measured, not known: on SDXL's encoder parts of 500 steps went through, 550 did not. Returns
+    the part size used (0: compiled as written). A module of another shape (a later iree) is
+    compiled as written: iree-compile then says what it makes of it."""
+    from sdiree.runtime.errors import UserError
     from sdiree.runtime.fileutil import atomic_write_bytes
 
-    text = path.read_text()
+    text = mlir.read_text()
     try:
-        split = split_chain(text, MAX_STEPS, PART_STEPS)
+        steps = chain_steps(text)
     except ChainError:
-        return False
-    if split is text:
-        return False
-    atomic_write_bytes(path, split.encode())
-    return True
+        steps = 0  # not a chain this module knows: compiled as written, never split
+    part = PART_STEPS if steps > MAX_STEPS else 0
+    while True:
+        if part:
+            try:
+                atomic_write_bytes(mlir, split_chain(text, part, part).encode())
+            except ChainError:
+                part, steps = 0, 0
+                atomic_write_bytes(mlir, text.encode())
+        try:
+            compile_fn(mlir, vmfb, flags, log)
+            return part
+        except UserError as e:
+            if FIXED_POINT not in str(e) or steps < 2 or 0 < part <= MIN_PART_STEPS:
+                raise
+            part = part // 2 if part else min(PART_STEPS, steps // 2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sdiree.compile.encoder_chain import chain_steps, split_chain, split_long_chain
+from sdiree.compile.encoder_chain import chain_steps, compile_encoder, split_chain
 from sdiree.compile.iree_compile import compile_mlir
 from sdiree.compile.param_encoder import encoder_flags, run_encoder
 from sdiree.runtime.targets import load_registry
@@ -121,18 +121,92 @@ def test_the_main_module_reads_what_the_split_encoder_wrote(encoders):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
-def test_split_long_chain_rewrites_only_long_chains(encoders, tmp_path, monkeypatch):
+def _fake_compiler(fails_above: int | None):
+    """A compile_fn that fails on the fixed point while a function holds more than
+    fails_above steps (None: never), recording the part sizes it saw."""
+    from sdiree.runtime.errors import UserError
+
+    seen = []
+
+    def compile_fn(mlir, vmfb, flags, log):
+        text = mlir.read_text()
+        parts = text.split("util.func ")
+        longest = max(p.count("= stream.resource.dealloca ") for p in parts)
+        seen.append(longest)
+        if fails_above is not None and longest > fails_above:
+            raise UserError(f"iree-compile failed for {mlir.name}: {mlir}:11:1: error: "
+                            "maximum iteration count exceeded in fixed point pipeline")  # fmt: skip
+        vmfb.write_bytes(b"ok")
+
+    return compile_fn, seen
+
+
+def test_compile_encoder_splits_long_chains_and_halves_parts_until_it_compiles(
+    encoders, tmp_path, monkeypatch
+):
+    import sdiree.compile.encoder_chain as chain
+
+    _, _, _, text, _, _ = encoders
+    path, vmfb = tmp_path / "enc.mlir", tmp_path / "enc.vmfb"
+    path.write_text(text)
+    fn, seen = _fake_compiler(None)
+    assert compile_encoder(path, vmfb, [], tmp_path / "log", fn) == 0  # 7 steps: as written
+    assert seen == [WEIGHTS] and path.read_text() == text
+
+    monkeypatch.setattr(chain, "MAX_STEPS", 5)
+    monkeypatch.setattr(chain, "PART_STEPS", 6)
+    monkeypatch.setattr(chain, "MIN_PART_STEPS", 1)
+    fn, seen = _fake_compiler(1)  # only one step a function goes through
+    path.write_text(text)
+    assert compile_encoder(path, vmfb, [], tmp_path / "log", fn) == 1
+    assert seen == [6, 3, 1]  # parts of 6, then 3, then 1
+    assert path.read_text().count("util.func private @__encode_parameters_part") == WEIGHTS - 1
+    assert not list(tmp_path.glob(".*"))  # no temp left beside it
+
+
+def test_compile_encoder_tries_a_split_when_a_short_chain_fails(encoders, tmp_path):
     _, _, _, text, _, _ = encoders
     path = tmp_path / "enc.mlir"
     path.write_text(text)
-    assert not split_long_chain(path) and path.read_text() == text  # 7 steps: as written
-    import sdiree.compile.encoder_chain as chain
+    fn, seen = _fake_compiler(3)
+    assert compile_encoder(path, tmp_path / "enc.vmfb", [], tmp_path / "log", fn) == 3
+    assert seen == [WEIGHTS, 3]  # as written first, then parts of half the chain
 
-    monkeypatch.setattr(chain, "MAX_STEPS", 3)
-    monkeypatch.setattr(chain, "PART_STEPS", 3)
-    assert split_long_chain(path)
-    assert path.read_text().count("util.func private @__encode_parameters_part") == 2
-    assert not list(tmp_path.glob(".*"))  # no temp left beside it
+
+def test_compile_encoder_gives_up_with_the_compilers_line(encoders, tmp_path, monkeypatch):
+    import sdiree.compile.encoder_chain as chain
+    from sdiree.runtime.errors import UserError
+
+    _, _, _, text, _, _ = encoders
+    path = tmp_path / "enc.mlir"
+    path.write_text(text)
+    monkeypatch.setattr(chain, "MIN_PART_STEPS", 2)
+    fn, seen = _fake_compiler(0)  # never compiles
+    with pytest.raises(UserError, match="fixed point pipeline"):
+        compile_encoder(path, tmp_path / "enc.vmfb", [], tmp_path / "log", fn)
+    assert seen == [WEIGHTS, 3, 1]  # as written, halves, and no part under the minimum
+    # a failure that is not the fixed point is not retried
+    path.write_text(text)
+    calls = []
+
+    def broken(mlir, vmfb, flags, log):
+        calls.append(1)
+        raise UserError("iree-compile failed for enc.mlir: error: something else")
+
+    with pytest.raises(UserError, match="something else"):
+        compile_encoder(path, tmp_path / "enc.vmfb", [], tmp_path / "log", broken)
+    assert calls == [1]
+
+
+def test_a_module_it_cannot_split_is_compiled_as_written(tmp_path):
+    from sdiree.runtime.errors import UserError
+
+    path = tmp_path / "enc.mlir"
+    path.write_text("module @encoder {\n}\n")  # no encode function
+    fn, seen = _fake_compiler(-1)  # fails on the fixed point whatever it gets
+    with pytest.raises(UserError, match="fixed point"):
+        compile_encoder(path, tmp_path / "enc.vmfb", [], tmp_path / "log", fn)
+    assert len(seen) == 1 and path.read_text() == "module @encoder {\n}\n"
 
 
 def test_a_chain_of_another_shape_is_refused(encoders):
@@ -146,10 +220,3 @@ def test_a_chain_of_another_shape_is_refused(encoders):
                  "%arg1 : (!hal.fence) => !stream.timepoint")  # fmt: skip
     with pytest.raises(ChainError, match="%arg1"):
         split_chain("\n".join(lines), max_steps=2, part_steps=2)
-
-
-def test_split_long_chain_leaves_a_module_it_cannot_split(tmp_path, monkeypatch):
-
-    path = tmp_path / "enc.mlir"
-    path.write_text("module @encoder {\n}\n")  # no encode function
-    assert not split_long_chain(path) and path.read_text() == "module @encoder {\n}\n"
