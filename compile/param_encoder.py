@@ -60,6 +60,7 @@ def run_encoder(
 
 PROBE_LOADS, PROBE_MISSING = 0, 10  # a probe child's exit codes (anything else: it failed)
 PROBE_TRIES = 3
+PROBE_TIMEOUT_S = 300  # a load takes well under a second; a hung driver must not hang compile
 
 
 def loads_with(vmfb: Path, archives: list[tuple[str, Path]], driver: str) -> bool:
@@ -86,8 +87,14 @@ def loads_with(vmfb: Path, archives: list[tuple[str, Path]], driver: str) -> boo
                           "driver": driver})  # fmt: skip
     code = "from sdiree.compile.param_encoder import _probe_main; _probe_main()"
     for _ in range(PROBE_TRIES):
-        proc = subprocess.run([sys.executable, "-c", code, request], capture_output=True,
-                              text=True, preexec_fn=_die_with_parent())  # fmt: skip
+        try:
+            proc = subprocess.run([sys.executable, "-c", code, request], capture_output=True,
+                                  text=True, preexec_fn=_die_with_parent(),
+                                  timeout=PROBE_TIMEOUT_S)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(
+                f"loading {vmfb.name} on {driver} did not finish in {PROBE_TIMEOUT_S} s"
+            ) from None
         if proc.returncode in (PROBE_LOADS, PROBE_MISSING):
             return proc.returncode == PROBE_LOADS
         if proc.returncode > 0:
