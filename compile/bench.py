@@ -36,8 +36,8 @@ Method:
   torch weights beside sdiree's) would be timed while the kernel evicts one side's mapped
   weights; ``in_turn`` (``--in-turn``) instead runs one side's worker through every figure,
   closes it, then starts the next (no alternation: a quiet machine matters more). Each side's
-  ``worker_s`` (start, end) on the parent's clock shows which way it ran. Each figure gets W warm-up runs and then
-  N timed runs; median, min and max are over the N timed runs. The image figure runs first, so
+  ``worker_s`` (start, end) on the parent's clock shows which way it ran. Each figure gets W
+  warm-up runs and then N timed runs; median, min and max are over the N timed runs. The image figure runs first, so
   its first run is each process's first inference after loading.
 - Every call converts its inputs from numpy and its outputs back to numpy on the host, on both
   sides (sdiree's Session.call contract; torch: ``from_numpy(...).to(device)`` ... ``.cpu()``),

@@ -49,10 +49,6 @@ class _Op:
     defs: list[str] = field(default_factory=list)
     uses: list[str] = field(default_factory=list)
 
-    @property
-    def text(self) -> str:
-        return "\n".join(self.lines)
-
 
 def _op(lines: list[str]) -> _Op:
     first = lines[0]
