@@ -56,8 +56,10 @@ def test_own_weights_as_replacements_make_the_same_image(
     monkeypatch.setenv("SDIREE_CACHE", str(tmp_path / "cache"))
     base = _generate(art)
     same = _generate(art, WeightOverrides(_own_weights(art), digest=""))
-    # cpu: Winograd F(4x4) weights derived in numpy may differ from the export's in the last bit
-    assert np.abs(same - base).max() < 1e-5
+    # cpu: Winograd F(4x4) weights derived in numpy may differ from the export's in the last
+    # bit, grown over 3 steps and the decode (1.003e-5 seen in CI): 1e-4 is still 40x under an
+    # 8-bit pixel step and 10x under what a 2 % change of the weights does (next test)
+    assert np.abs(same - base).max() < 1e-4
     assert not list((tmp_path / "cache").rglob("*.irpa"))  # a digest-less set is not cached
 
 
