@@ -412,6 +412,9 @@ class Builder:
         entry["vmfb_sha256"] = sha256_file(vmfb)
         state[submodule] = entry
         atomic_write_json(self.plan.out / BUILD_STATE, state)
+        if entry.get("encoded"):  # recorded first: a build stopped while learning resumes here
+            self.add_layout(submodule, entry["encoded"], archives)
+            atomic_write_json(self.plan.out / BUILD_STATE, state)
         return entry
 
     @property
@@ -497,7 +500,6 @@ class Builder:
         }
         if self.plan.target.encoder_driver:
             entry["encoder"]["driver"] = self.plan.target.encoder_driver
-        self.add_layout(submodule, entry, archives)
         return entry
 
     def add_layout(self, submodule: str, enc: dict, archives: list[Path]) -> None:

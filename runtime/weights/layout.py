@@ -3,8 +3,9 @@ LoRA) are re-packed in numpy instead of by re-running the encoder over all of th
 
 On cpu the encoder's output is a repack (data tiling: tiles, padding, transposes) of each
 weight, written at fixed places of one entry. `learn` runs the encoder once on *coded* weights:
-every float32 element replaced by a distinct normal float whose bits are its index, so each
-output element names the element it was copied from (0: padding). Each stretch of one weight's
+every float32 element replaced by a distinct normal float (positive, then negative: 4.26G
+codes, SDXL's UNet takes 3.3G) whose bits are its index, so each output element names the
+element it was copied from (0: padding). Each stretch of one weight's
 codes is described as a strided view of the zero-padded weight (`Region.levels`: per output
 axis, the weight dimension it walks, its step and its count), checked against the codes
 element for element, and then against the compile's own encoded archive on the real weights.
@@ -23,8 +24,12 @@ import numpy as np
 
 CODE_BASE = 0x00800000  # the smallest normal float32: codes are normal numbers, never NaN
 CODE_END = 0x7F800000  # +inf: codes stay below
+SIGN = 0x80000000  # codes past the positive normals go on with the negative ones
+SPAN = CODE_END - CODE_BASE
+CODES = 2 * SPAN
 FORMAT_VERSION = 1
 PAD, FOREIGN = -1, -2
+SCAN_MIN, SCAN_MAX = 1 << 10, 1 << 22  # words decoded at once while scanning
 
 
 @dataclass(frozen=True)
@@ -124,11 +129,26 @@ def squeeze(shape) -> tuple[int, ...]:
 
 
 # -- codes --------------------------------------------------------------------------------
+def code_words(start: int, stop: int) -> np.ndarray:
+    """The uint32 code words of code indices [start, stop) (stop <= CODES)."""
+    i = np.arange(start, stop, dtype=np.int64)
+    return np.where(i < SPAN, CODE_BASE + i, SIGN + CODE_BASE + i - SPAN).astype(np.uint32)
+
+
+def code_index(words: np.ndarray) -> np.ndarray:
+    """The code index (int64) of each uint32 word, -1 where it is no code (zero, a
+    subnormal, inf or NaN of either sign)."""
+    w = words.astype(np.int64)
+    mag = w & (SIGN - 1)
+    ok = (mag >= CODE_BASE) & (mag < CODE_END)
+    return np.where(ok, mag - CODE_BASE + np.where(w >= SIGN, SPAN, 0), -1)
+
+
 def write_coded_archive(
     params: dict[str, tuple[tuple[int, ...], np.dtype]], weight, path: Path
 ) -> dict[str, int]:
     """Write at path an archive of every param, the float32 ones coded (each element's bits
-    CODE_BASE + its index among all coded elements), the others with their real bytes
+    the code of its index among all coded elements, code_words), the others with their real bytes
     (`weight(key)`); returns {coded key: first code index}. Written a chunk at a time, so the
     SD 1.5-size UNet's 7.8 GB of coded inputs never sit in memory."""
     import os
@@ -145,18 +165,17 @@ def write_coded_archive(
     offsets = {k: int(e.file_storage[1]) for k, e in written.items()}
     del written, plan
     bases: dict[str, int] = {}
-    at, coding = 0, True
+    at = 0
     chunk = 1 << 22  # elements
     fd = os.open(path, os.O_RDWR)
     try:
         for key, (shape, dtype) in params.items():
             n = int(np.prod(shape, dtype=np.int64))
-            # out of codes: the rest keep their values (and stay unverified)
-            coding = coding and CODE_BASE + at + n < CODE_END
-            if np.dtype(dtype) == np.float32 and coding:
+            if np.dtype(dtype) == np.float32:
+                if at + n > CODES:
+                    raise ValueError(f"more than {CODES} float32 elements to code")
                 for i in range(0, n, chunk):
-                    codes = np.arange(i, min(n, i + chunk), dtype=np.uint32)
-                    codes += np.uint32(CODE_BASE + at)
+                    codes = code_words(at + i, at + min(n, i + chunk))
                     _pwrite(fd, codes.view(np.uint8), offsets[key] + 4 * i)
                 bases[key] = at
                 at += n
@@ -182,11 +201,11 @@ class _Decoder:
         if len(self.starts) == 0:  # nothing was coded
             none = np.full(len(words), -1, np.int64)
             return none, none
-        rel = words.astype(np.int64) - CODE_BASE
+        rel = code_index(words)
         p = np.searchsorted(self.starts, rel, side="right") - 1
         pc = np.clip(p, 0, len(self.starts) - 1)
         elem = rel - self.starts[pc]
-        ok = (words != 0) & (p >= 0) & (elem < self.sizes[pc])
+        ok = (rel >= 0) & (p >= 0) & (elem < self.sizes[pc])
         return np.where(ok, pc, -1), np.where(ok, elem, -1)
 
     def elements(self, words: np.ndarray, p: int) -> np.ndarray:
@@ -304,13 +323,13 @@ def learn_entry(
     failed: set[str] = set()
     other: list[tuple[int, int]] = []
     pos = released = 0
-    chunk = 1 << 16
     while pos < n:
         if release is not None and pos - released >= 1 << 24:
             release(coded, released * 4, pos * 4)
             released = pos
-        # the next coded word
-        j = None
+        # the next coded word: read in windows that grow while none is found, so the search
+        # costs what it skips, whether codes come close together or 100M words apart
+        j, chunk = None, SCAN_MIN
         while pos < n:
             p, e = decoder.decode(words[pos : pos + chunk])
             hit = np.flatnonzero(p >= 0)
@@ -321,6 +340,7 @@ def learn_entry(
                 j = pos + int(hit[0])
                 break
             pos += chunk
+            chunk = min(2 * chunk, SCAN_MAX)
         if j is None:
             break
         p, e = decoder.decode(words[j : j + 1])
@@ -356,14 +376,16 @@ def learn_entry(
 
 
 def _run_of(decoder: _Decoder, words: np.ndarray, j: int, p: int) -> int:
-    """Length of the stretch of words from j holding weight p's codes or padding."""
-    at, chunk = j, 1 << 22
+    """Length of the stretch of words from j holding weight p's codes or padding (windows
+    growing as in learn_entry: a stretch may be one word or 100M)."""
+    at, chunk = j, SCAN_MIN
     while at < len(words):
         pw, _ = decoder.decode(words[at : at + chunk])
         bad = np.flatnonzero((pw != p) & (pw >= 0))
         if len(bad):
             return at + int(bad[0]) - j
         at += chunk
+        chunk = min(2 * chunk, SCAN_MAX)
     return len(words) - j
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..fileutil import remove_stale_temps, sha256_json, temp_path_for, user_cache_dir
+from . import layout as layout_codes
 from .archive import Archive
 from .layout import Layout, learn, repack
 from .pages import entry_views, splat_entries
@@ -91,8 +92,8 @@ def learn_layout(
 ) -> Layout | None:
     """layout.learn over a submodule's weights (its archives `own`) and the `derived` ones
     ({key: (shape, dtype)}), read from derived_archives where given (compile), else computed
-    from their base weights (run time). None when an archive lacks shapes or no weight is
-    float32."""
+    from their base weights (run time). None when an archive lacks shapes, no weight is
+    float32 or they have more elements than there are codes."""
     archives = [Archive(p) for p in own]
     derived_from = [Archive(p) for p in derived_archives]
     params: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
@@ -103,8 +104,11 @@ def learn_layout(
             params[k] = (e.shape, e.dtype)
     for k, (shape, dtype) in derived.items():
         params[k] = (tuple(shape), np.dtype(dtype))
-    if not any(np.dtype(d) == np.float32 for _, d in params.values()):
+    coded = [int(np.prod(s, dtype=np.int64)) for s, d in params.values() if d == np.float32]
+    if not coded:
         return None  # only float32 weights can be coded (an fp16 artifact runs the encoder)
+    if sum(coded) > layout_codes.CODES:
+        return None  # more elements than codes: every change goes through the encoder
 
     def weight(k: str) -> np.ndarray:
         for a in (*archives, *derived_from):

@@ -18,16 +18,85 @@ from sdiree.runtime.device_select import choose_device
 from sdiree.runtime.manifest import load_manifest
 from sdiree.runtime.pipeline import GenerationRequest, Text2Image, resolve_request
 from sdiree.runtime.session import Session
-from sdiree.runtime.weights import repack
+from sdiree.runtime.weights import layout, repack
 from sdiree.runtime.weights.archive import Archive
-from sdiree.runtime.weights.layout import CODE_BASE, Layout, Region, _Decoder, learn_entry
+from sdiree.runtime.weights.layout import (
+    SPAN,
+    Layout,
+    Region,
+    _Decoder,
+    code_index,
+    code_words,
+    learn_entry,
+)
 from sdiree.runtime.weights.overrides import WeightOverrides
 
 
 def _codes(pieces, bases):
     """The uint8 bytes of a coded output made of (param, element indices or -1) pieces."""
-    words = [np.where(e >= 0, e + CODE_BASE + bases[k], 0).astype(np.uint32) for k, e in pieces]
-    return np.concatenate(words).view(np.uint8)
+    words = []
+    for k, e in pieces:
+        codes = code_words(bases[k], bases[k] + int(e.max()) + 1) if e.max() >= 0 else []
+        words.append(np.where(e >= 0, np.take(codes, np.maximum(e, 0)) if len(codes) else 0, 0))
+    return np.concatenate(words).astype(np.uint32).view(np.uint8)
+
+
+def test_codes_run_on_into_the_negative_floats_and_nothing_else_is_one():
+    i = np.array([0, 1, SPAN - 1, SPAN, SPAN + 7, 2 * SPAN - 1])
+    w = np.concatenate([code_words(a, a + 1) for a in i])
+    assert not np.isnan(w.view(np.float32)).any() and np.isfinite(w.view(np.float32)).all()
+    assert (np.abs(w.view(np.float32)) >= np.finfo(np.float32).tiny).all()  # normal numbers
+    assert (w.view(np.float32)[3:] < 0).all()
+    np.testing.assert_array_equal(code_index(w), i)
+    others = np.array([0, 1, 0x007FFFFF, 0x7F800000, 0x7FC00000, 0x80000000, 0xFF800000],
+                      np.uint64).astype(np.uint32)  # fmt: skip
+    np.testing.assert_array_equal(code_index(others), -1)
+
+
+def test_a_pack_coded_past_the_positive_floats_is_found():
+    shapes = {"big": (SPAN + 4,), "w": (20, 3)}
+    bases = {"big": 0, "w": SPAN + 4}  # w's codes are all negative floats
+    tiled = Region("w", 0, (20, 3), ((0, 16, 2), (1, 1, 3), (0, 1, 16)))
+    want = tiled.pack(np.arange(60), fill=-1)
+    regions, failed, _ = learn_entry(_codes([("w", want)], bases), _Decoder(bases, shapes), shapes)
+    assert [(r.param, r.levels) for r in regions] == [("w", tiled.levels)] and not failed
+
+
+def test_scanning_past_stray_codes_costs_what_it_reads():
+    """Stray codes (a weight's real bytes that read as codes: one not float32) each end a short
+    stretch; the scan still decodes each word a few times, not a window of millions."""
+    shapes = {"w": (20, 3), "v": (1 << 20,), "u": (1 << 20,)}
+    bases = {"w": 0, "v": 60, "u": 60 + (1 << 20)}
+    tiled = Region("w", 0, (20, 3), ((0, 16, 2), (1, 1, 3), (0, 1, 16)))
+    n = 1 << 18
+    at = np.linspace(0, n - 1, 500).astype(int)
+    v, u = np.full(n, -1), np.full(n, -1)
+    v[at[::2]] = np.arange(1, 251) * 37  # v's and u's codes in turn, none the first element
+    u[at[1::2]] = np.arange(1, 251) * 41
+    packed = _codes([("w", tiled.pack(np.arange(60), fill=-1))], bases).view(np.uint32)
+    strays = np.maximum(*(_codes([(k, e)], bases).view(np.uint32) for k, e in (("v", v), ("u", u))))
+    coded = np.concatenate([packed, strays]).view(np.uint8)
+    decoder, decoded = _Decoder(bases, shapes), [0]
+    plain = decoder.decode
+
+    def counting(words):
+        decoded[0] += len(words)
+        return plain(words)
+
+    decoder.decode = counting
+    regions, failed, _ = learn_entry(coded, decoder, shapes)
+    assert [r.param for r in regions] == ["w"] and failed == {"v", "u"}
+    assert decoded[0] < 8 * len(coded) // 4
+
+
+def test_more_elements_than_codes_learn_no_layout(compiled, monkeypatch, tmp_path):
+    art = compiled.get("cpu", "host", "fp32")
+    unet = Archive(art / "unet.irpa")
+    n = sum(int(np.prod(e.shape)) for e in unet.entries.values() if e.dtype == np.float32)
+    monkeypatch.setattr(layout, "CODES", n - 1)
+    args = (art / "unet.encoder.vmfb", [art / "unet.irpa"], {}, art / "unet.encoded.irpa")
+    learned = repack.learn_layout(*args, "unet", "unet_encoded", None, tmp_path / "work.irpa")
+    assert learned is None and not list(tmp_path.iterdir())
 
 
 def test_a_padded_tiled_pack_is_found_and_a_shuffle_is_not():
