@@ -13,7 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from sdiree.compile.driver import CompileOptions, compile_model
+import pytest
+
+from sdiree.compile.driver import Builder, CompileOptions, compile_model
 from sdiree.compile.report import Reporter
 from sdiree.runtime.manifest import check_files, load_manifest
 from sdiree.runtime.targets import default_specs_dir
@@ -138,6 +140,34 @@ def test_killed_compile_leaves_no_manifest_and_resumes(compiled):
     assert ("compile", "text_encoder") not in ran  # finished work is kept
     assert ("compile", "unet") in ran
     assert not [p for p in out.iterdir() if ".tmp" in p.name], "stale temp files left behind"
+    check_files(load_manifest(out))
+
+
+class _Stopped(Exception):
+    pass
+
+
+def test_a_compile_stopped_while_learning_a_layout_resumes_there(compiled, tmp_path, monkeypatch):
+    """The build state is written before the layout stage: SDXL's UNet compiles for ~15 min and
+    its layout takes ~5, so a stop there must not cost the compile again."""
+    compiled.get("cpu", "host", "fp32")  # the shared exports and archives exist
+    out = tmp_path / "cpu-stopped"
+    learn = Builder.learn_layout
+
+    def stop_at_the_unet(self, submodule, *args):
+        if submodule == "unet":
+            raise _Stopped
+        return learn(self, submodule, *args)
+
+    monkeypatch.setattr(Builder, "learn_layout", stop_at_the_unet)
+    with pytest.raises(_Stopped):
+        recompile(compiled.model, out)
+    assert not (out / "manifest.json").exists()
+    monkeypatch.setattr(Builder, "learn_layout", learn)
+    ran, _ = recompile(compiled.model, out)
+    assert ("layout", "unet") in ran
+    assert not {("compile", "unet"), ("encode", "unet")} & ran
+    assert (out / "unet.layout.json").is_file()
     check_files(load_manifest(out))
 
 
