@@ -387,6 +387,7 @@ class Builder:
         vmfb = out / f"{submodule}.vmfb"
         encoded = out / f"{submodule}.encoded.irpa"
         prev = state.get(submodule, {})
+        archives = [path for path, _ in params]
         if (
             prev.get("compile_key") == key
             and self.intact(vmfb, prev.get("vmfb_sha256"))
@@ -394,10 +395,8 @@ class Builder:
             and _encoder_intact(self, prev.get("encoded"))
         ):
             self.r.reused("compile", submodule)
-            enc = prev.get("encoded")
-            if enc and not _layout_tried(enc):  # built before every layout was learned
-                self.add_layout(submodule, enc, [path for path, _ in params])
-                atomic_write_json(self.plan.out / BUILD_STATE, state)
+            # built before every layout was learned, or stopped while learning it
+            self.ensure_layout(submodule, prev, archives, state)
             return prev
         log = out / f"{submodule}.compile.log"
         entry = {"compile_key": key, "flags": flags, "tuning_specs": specs}
@@ -406,16 +405,21 @@ class Builder:
             with self.r.stage("compile", submodule), with_spec(mlir, spec, out) as src:
                 compile_mlir(src, vmfb, flags, log)
         else:
-            archives = [path for path, _ in params]
             with with_spec(mlir, spec, out) as src:
                 entry["encoded"] = self.compile_encoded(submodule, src, archives, flags, log)
         entry["vmfb_sha256"] = sha256_file(vmfb)
         state[submodule] = entry
-        atomic_write_json(self.plan.out / BUILD_STATE, state)
-        if entry.get("encoded"):  # recorded first: a build stopped while learning resumes here
-            self.add_layout(submodule, entry["encoded"], archives)
-            atomic_write_json(self.plan.out / BUILD_STATE, state)
+        atomic_write_json(self.plan.out / BUILD_STATE, state)  # a stop in the layout resumes there
+        self.ensure_layout(submodule, entry, archives, state)
         return entry
+
+    def ensure_layout(self, submodule: str, entry: dict, archives: list[Path], state: dict) -> None:
+        """Learn the layout of entry's encoded archive unless it was learned (or tried), and
+        record it in the build state."""
+        enc = entry.get("encoded")
+        if enc and not _layout_tried(enc):
+            self.add_layout(submodule, enc, archives)
+            atomic_write_json(self.plan.out / BUILD_STATE, state)
 
     @property
     def encoder_driver(self) -> str:

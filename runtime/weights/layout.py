@@ -144,6 +144,12 @@ def code_index(words: np.ndarray) -> np.ndarray:
     return np.where(ok, mag - CODE_BASE + np.where(w >= SIGN, SPAN, 0), -1)
 
 
+def codable(params: dict[str, tuple[tuple[int, ...], np.dtype]]) -> bool:
+    """Whether params have float32 weights to code, and no more of their elements than codes."""
+    n = [int(np.prod(s, dtype=np.int64)) for s, d in params.values() if np.dtype(d) == np.float32]
+    return bool(n) and sum(n) <= CODES
+
+
 def write_coded_archive(
     params: dict[str, tuple[tuple[int, ...], np.dtype]], weight, path: Path
 ) -> dict[str, int]:

@@ -20,9 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from ..fileutil import remove_stale_temps, sha256_json, temp_path_for, user_cache_dir
-from . import layout as layout_codes
 from .archive import Archive
-from .layout import Layout, learn, repack
+from .layout import Layout, codable, learn, repack
 from .pages import entry_views, splat_entries
 from .winograd import base_key, winograd_weight
 
@@ -104,11 +103,8 @@ def learn_layout(
             params[k] = (e.shape, e.dtype)
     for k, (shape, dtype) in derived.items():
         params[k] = (tuple(shape), np.dtype(dtype))
-    coded = [int(np.prod(s, dtype=np.int64)) for s, d in params.values() if d == np.float32]
-    if not coded:
-        return None  # only float32 weights can be coded (an fp16 artifact runs the encoder)
-    if sum(coded) > layout_codes.CODES:
-        return None  # more elements than codes: every change goes through the encoder
+    if not codable(params):  # an fp16 artifact, or a model past the codes: the encoder it is
+        return None
 
     def weight(k: str) -> np.ndarray:
         for a in (*archives, *derived_from):
