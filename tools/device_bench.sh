@@ -17,7 +17,7 @@
 #   bash tools/device_bench.sh "--target cuda --arch sm_80 --dtype fp16 --torch-device cuda" \
 #       "--target vulkan-spirv --arch ampere --dtype fp16 --torch-device cuda" ...
 # It compiles every artifact at once, then benches each and profiles one UNet call of it
-# (tools/gpu_profile.py: bench-N.json/.log and profile-N.jsonl in $OUT). Setup, the model and the
+# (tools/dispatch_profile.py: bench-N.json/.log and profile-N.jsonl in $OUT). Setup, the model and the
 # artifacts are kept in /tmp while the machine stays warm. MODEL, ART, OUT and HW (the image
 # side, 512) can be set from outside, e.g. to try the script here on the tiny model.
 source "$(dirname "$0")/device_env.sh"
@@ -56,11 +56,11 @@ for opts in "$@"; do
     SDIREE_CACHE=/tmp/sdiree-cache/$i python3 tools/bench.py "$MODEL" --height "${HW:-512}" --width "${HW:-512}" \
         "${args[@]}" --out "$ART/$name" --json "$OUT/bench-$i.json" 2>&1 | tee "$OUT/bench-$i.log" ||
         echo "=== bench $i failed"
-    # Where the UNet call's time goes, per dispatch (tools/gpu_profile.py); the bundle stays here.
+    # Where the UNet call's time goes, per dispatch (tools/dispatch_profile.py); the bundle stays here.
     driver=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['target']['driver'])" \
         "$ART/$name/manifest.json" 2>/dev/null || echo cuda)
     echo "=== profile $i ($driver)"
-    timeout 120 python3 tools/gpu_profile.py "$ART/$name" --device "$driver" --top 30 \
+    timeout 120 python3 tools/dispatch_profile.py "$ART/$name" --device "$driver" --top 30 \
         --out "/tmp/prof-$i" 2>&1 || echo "=== profile $i failed"
     cp "/tmp/prof-$i/unet.dispatch.jsonl" "$OUT/profile-$i.jsonl" 2>/dev/null || true
 done

@@ -1,0 +1,180 @@
+"""Per-dispatch profile of one submodule call of an artifact, with IREE's own tools.
+
+Runs `iree-run-module` on the artifact's module, its weights and random inputs of the manifest's
+signature with HAL device profiling on, then reduces the bundle with `iree-profile dispatch
+--format=jsonl` to the dispatches that took the most time, and (`--group`) to their totals by
+kind (contractions by element types, reductions, elementwise, copies). The weights are first
+written out as plain archives, each scope as sdiree's runtime serves it (paged and pruned cpu
+archives are sdiree's own formats), so this needs disk for a copy of the submodule's weights.
+Used on a lent GPU (tools/PERFORMANCE.md, "GPU") to find what a tuning spec should target, and
+on cpu (`--device local-task`, host-execution timing; iree's Python runtime cannot capture a
+profile). On cpu a profile keeps ~4,100 dispatch records: a larger call's later dispatches are
+dropped (`iree-profile explain` says how many). Needs iree-base-runtime, numpy and this
+checkout's sdiree (its inputs are `verify`'s).
+
+    python tools/dispatch_profile.py ARTIFACT --submodule unet --function denoise_cfg \\
+        --device cuda|vulkan|local-task [--mode dispatch-events] [--top 25] [--group] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+
+def _tool(name: str) -> str:
+    """The IREE tool from iree-base-runtime's own folder (also where the wheel was only unpacked,
+    without its console scripts), else from PATH."""
+    import iree.runtime
+
+    here = Path(iree.runtime.__file__).parents[1] / "_runtime_libs" / name
+    return str(here) if here.exists() else (shutil.which(name) or name)
+
+
+def _inputs(manifest, submodule: str, function: str, work: Path, seed: int) -> list[str]:
+    """`--input=@file.npy` flags of the inputs `sdiree.compile.verify` calls function with."""
+    from sdiree.compile.verify import make_inputs  # torch-free
+
+    args = []
+    for i, a in enumerate(make_inputs(manifest, submodule, function, seed)):
+        path = work / f"in{i}.npy"
+        np.save(path, a)
+        args.append(f"--input=@{path}")
+    return args
+
+
+def _param_flags(manifest, submodule: str, work: Path) -> list[str]:
+    """`--parameters` flags of plain archives holding what the runtime serves each scope."""
+    from sdiree.runtime.weights.overrides import LoadedWeights
+
+    weights = LoadedWeights(manifest, (submodule,), None, device=None)
+    flags = []
+    for scope, index in weights.indices.items():
+        path = work / f"{scope}.irpa"
+        index.create_archive_file(str(path))
+        flags.append(f"--parameters={scope}={path}")
+    return flags
+
+
+def profile(a: argparse.Namespace) -> list[dict]:
+    from sdiree.runtime.manifest import load_manifest
+
+    art = a.artifact
+    manifest = load_manifest(art)
+    sub = manifest.data["submodules"][a.submodule]
+    out = a.out or Path(tempfile.mkdtemp(prefix="sdiree-prof-"))
+    out.mkdir(parents=True, exist_ok=True)
+    prof = out / f"{a.submodule}.ireeprof"
+    mode = a.mode or ("host-execution" if a.device.startswith("local") else "dispatch-events")
+    params = out / "params"
+    params.mkdir(exist_ok=True)
+    cmd = [
+        _tool("iree-run-module"),
+        f"--device={a.device}",
+        f"--module={art / sub['vmfb']}",
+        *_param_flags(manifest, a.submodule, params),
+        f"--function={a.function}",
+        *_inputs(manifest, a.submodule, a.function, out, a.seed),
+        f"--device_profiling_mode={mode}",
+        f"--device_profiling_output={prof}",
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    shutil.rmtree(params)  # a copy of the weights: not kept
+    if r.returncode:
+        sys.exit(f"iree-run-module failed ({r.returncode}): {r.stderr.strip()[-2000:]}")
+    d = subprocess.run(
+        [_tool("iree-profile"), "dispatch", "--format=jsonl", str(prof)],
+        capture_output=True,
+        text=True,
+    )
+    if d.returncode:
+        sys.exit(f"iree-profile failed: {d.stderr.strip()[-2000:]}")
+    (out / f"{a.submodule}.dispatch.jsonl").write_text(d.stdout)
+    rows = [json.loads(line) for line in d.stdout.splitlines() if line.strip()]
+    # device-timed rows, or (local-task) rows timed on the host around each dispatch
+    return [r for r in rows if r.get("type") in ("dispatch_group", "host_dispatch_group")]
+
+
+def _total_ns(row: dict) -> float | None:
+    t = row.get("total_ns")
+    timed = row.get("time_ns_available") or row.get("type") == "host_dispatch_group"
+    return float(t) if timed and isinstance(t, (int, float)) else None
+
+
+def kind(name: str) -> str:
+    """What a dispatch is, from the name iree gives it: contractions with their element types
+    (`matmul bf16xbf16xf32`), `reduction`, `elementwise` (with a narrowing to bf16/f16 named
+    apart), `copy`, `transpose`, `pack`, `encoding`, else `other`."""
+    body = name.split("$", 1)[-1]
+    if body.startswith("_encoding"):
+        return "encoding"
+    body = re.sub(r"^async_dispatch_\d+_", "", body)
+    types = re.findall(r"(?:b?f|i)\d+(?:x(?:b?f|i)\d+)*$", body)
+    if "matmul" in body or "conv" in body or "contract" in body:
+        return f"matmul {types[0] if types else '?'}"
+    if "reduction" in body:
+        return "reduction"
+    if "elementwise" in body:
+        narrowing = types and re.search(r"x(bf16|f16)$", types[0])
+        return f"elementwise to {narrowing.group(1)}" if narrowing else "elementwise"
+    for word, k in (("memcpy", "copy"), ("transpose", "transpose"), ("pack", "pack")):
+        if word in body:
+            return k
+    return "other"
+
+
+def by_kind(timed: list[tuple[dict, float]]) -> list[tuple[str, float, int]]:
+    """(kind, total ns, dispatches) for each kind, the most time first."""
+    totals: dict[str, list] = {}
+    for r, t in timed:
+        k = totals.setdefault(kind(r.get("key", "")), [0.0, 0])
+        k[0] += t
+        k[1] += int(r.get("count", 0))
+    return sorted(((k, t, n) for k, (t, n) in totals.items()), key=lambda x: -x[1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("artifact", type=Path)
+    p.add_argument("--submodule", default="unet")
+    p.add_argument("--function", default="denoise_cfg")
+    p.add_argument("--device", default="cuda", help="iree device: cuda, vulkan, local-task")
+    p.add_argument(
+        "--mode", help="--device_profiling_mode (host-execution on local-*, else dispatch-events)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--group", action="store_true", help="totals by kind of dispatch first")
+    p.add_argument("--out", type=Path)
+    a = p.parse_args(argv)
+    rows = profile(a)
+    timed = [(r, _total_ns(r)) for r in rows]
+    timed = [(r, t) for r, t in timed if t is not None]
+    if not timed:
+        print("no dispatch timing in the profile; first rows:")
+        for r in rows[:5]:
+            print(json.dumps(r)[:400])
+        return
+    total = sum(t for _, t in timed)
+    count = sum(int(r.get("count", 0)) for r, _ in timed)
+    print(f"{len(timed)} dispatch functions, {count} dispatches, {total / 1e6:.2f} ms in all")
+    if a.group:
+        for k, t, n in by_kind(timed):
+            print(f"{t / 1e6:9.3f} ms {100 * t / total:5.1f} %  x{n}  {k}")
+        print()
+    timed.sort(key=lambda rt: -rt[1])
+    for r, t in timed[: a.top]:
+        name, n = r.get("key", "?"), r.get("count", "")
+        print(f"{t / 1e6:9.3f} ms {100 * t / total:5.1f} %  x{n}  {name}")
+
+
+if __name__ == "__main__":
+    main()
