@@ -76,18 +76,21 @@ def profile(a: argparse.Namespace) -> list[dict]:
     mode = a.mode or ("host-execution" if a.device.startswith("local") else "dispatch-events")
     params = out / "params"
     params.mkdir(exist_ok=True)
-    cmd = [
-        _tool("iree-run-module"),
-        f"--device={a.device}",
-        f"--module={art / sub['vmfb']}",
-        *_param_flags(manifest, a.submodule, params),
-        f"--function={a.function}",
-        *_inputs(manifest, a.submodule, a.function, out, a.seed),
-        f"--device_profiling_mode={mode}",
-        f"--device_profiling_output={prof}",
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    shutil.rmtree(params)  # a copy of the weights: not kept
+    try:  # a copy of the weights: not kept, whatever happens
+        cmd = [
+            _tool("iree-run-module"),
+            f"--device={a.device}",
+            f"--module={art / sub['vmfb']}",
+            *_param_flags(manifest, a.submodule, params),
+            f"--function={a.function}",
+            *_inputs(manifest, a.submodule, a.function, out, a.seed),
+            f"--device_profiling_mode={mode}",
+            f"--device_profiling_output={prof}",
+        ]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+    finally:
+        shutil.rmtree(params, ignore_errors=True)
+    print(f"profile bundle: {prof}", file=sys.stderr)
     if r.returncode:
         sys.exit(f"iree-run-module failed ({r.returncode}): {r.stderr.strip()[-2000:]}")
     d = subprocess.run(
