@@ -37,9 +37,10 @@ def test_cpu_profile_of_the_tiny_unet(compiled, tmp_path, capsys):
     dispatch_profile.main(
         [str(art), "--device", "local-task", "--group", "--top", "5", "--out", str(out)]
     )
-    lines = capsys.readouterr().out.splitlines()
+    printed = capsys.readouterr()
+    lines = printed.out.splitlines()
     head = re.match(r"(\d+) dispatch functions, (\d+) dispatches, ([\d.]+) ms in all", lines[0])
-    assert head and int(head[2]) > 100 and float(head[3]) > 0, lines[0]
+    assert head and int(head[2]) > 100 and float(head[3]) > 0, printed
     kinds = {line.split("  ")[-1]: line for line in lines[1 : lines.index("")]}
     assert "matmul f32" in kinds and "reduction" in kinds, kinds
     shares = [float(re.search(r"([\d.]+) %", line)[1]) for line in kinds.values()]
