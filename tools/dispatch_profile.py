@@ -169,14 +169,17 @@ def main(argv: list[str] | None = None) -> None:
     total = sum(t for _, t in timed)
     count = sum(int(r.get("count", 0)) for r, _ in timed)
     print(f"{len(timed)} dispatch functions, {count} dispatches, {total / 1e6:.2f} ms in all")
+
+    def row(t: float, n, what: str) -> None:
+        print(f"{t / 1e6:9.3f} ms {100 * t / total:5.1f} %  x{n}  {what}")
+
     if a.group:
         for k, t, n in by_kind(timed):
-            print(f"{t / 1e6:9.3f} ms {100 * t / total:5.1f} %  x{n}  {k}")
+            row(t, n, k)
         print()
     timed.sort(key=lambda rt: -rt[1])
     for r, t in timed[: a.top]:
-        name, n = r.get("key", "?"), r.get("count", "")
-        print(f"{t / 1e6:9.3f} ms {100 * t / total:5.1f} %  x{n}  {name}")
+        row(t, r.get("count", ""), r.get("key", "?"))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-import dispatch_profile  # noqa: E402  (tools/ is on sys.path: tests/conftest.py)
+import dispatch_profile  # tools/ is on sys.path: tests/conftest.py
 import pytest
 
 
