@@ -260,7 +260,7 @@ DTYPE_OPTION_FIELDS = {
 # Export choices (compile/exporters: ATTENTIONS, CONV_CHOICES; runtime stays torch-free, so
 # they are repeated here and a test keeps them equal).
 EXPORT_CHOICES = {
-    "attention": ("sdpa", "decomposed", "chunked"),
+    "attention": ("sdpa", "sdpa_pow2", "sdpa_pow2_keys", "decomposed", "chunked"),
     "conv": ("native", "matmul", "winograd", "winograd4", "pointwise_einsum"),
     "linear": ("native", "flat"),
 }

@@ -8,17 +8,20 @@ written out as plain archives, each scope as sdiree's runtime serves it (paged a
 archives are sdiree's own formats), so this needs disk for a copy of the submodule's weights.
 Used on a lent GPU (tools/PERFORMANCE.md, "GPU") to find what a tuning spec should target, and
 on cpu (`--device local-task`, host-execution timing; iree's Python runtime cannot capture a
-profile). On cpu a profile keeps ~4,100 dispatch records: a larger call's later dispatches are
+profile). iree 3.13's cuda HAL cannot profile at all, so `--ncu` runs the same call under Nsight
+Compute (`ncu`, kernel durations only, each kernel replayed with cold caches) and reads its CSV. On cpu a profile keeps ~4,100 dispatch records: a larger call's later dispatches are
 dropped (`iree-profile explain` says how many). Needs iree-base-runtime, numpy and this
 checkout's sdiree (its inputs are `verify`'s).
 
     python tools/dispatch_profile.py ARTIFACT --submodule unet --function denoise_cfg \\
-        --device cuda|vulkan|local-task [--mode dispatch-events] [--top 25] [--group] [--out DIR]
+        --device cuda|vulkan|local-task [--mode dispatch-events] [--ncu] [--top 25] [--group] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
 import re
 import shutil
@@ -84,12 +87,23 @@ def profile(a: argparse.Namespace) -> list[dict]:
             *_param_flags(manifest, a.submodule, params),
             f"--function={a.function}",
             *_inputs(manifest, a.submodule, a.function, out, a.seed),
-            f"--device_profiling_mode={mode}",
-            f"--device_profiling_output={prof}",
         ]
+        if a.ncu:
+            csv_path = out / f"{a.submodule}.ncu.csv"
+            cmd = [_ncu(), *NCU_FLAGS, "--log-file", str(csv_path), *cmd]
+        else:
+            cmd += [f"--device_profiling_mode={mode}", f"--device_profiling_output={prof}"]
         r = subprocess.run(cmd, capture_output=True, text=True)
     finally:
         shutil.rmtree(params, ignore_errors=True)
+    if a.ncu:
+        if r.returncode:
+            sys.exit(f"ncu failed ({r.returncode}): {(r.stderr + r.stdout).strip()[-2000:]}")
+        rows = ncu_rows(csv_path.read_text())
+        (out / f"{a.submodule}.dispatch.jsonl").write_text(
+            "".join(json.dumps(x) + "\n" for x in rows)
+        )
+        return rows
     print(f"profile bundle: {prof}", file=sys.stderr)
     if r.returncode:
         sys.exit(f"iree-run-module failed ({r.returncode}): {r.stderr.strip()[-2000:]}")
@@ -106,6 +120,57 @@ def profile(a: argparse.Namespace) -> list[dict]:
     return [r for r in rows if r.get("type") in ("dispatch_group", "host_dispatch_group")]
 
 
+# Kernel durations only; the GPU's clocks left alone (the device README's advice).
+NCU_FLAGS = [
+    "--clock-control",
+    "none",
+    "--metrics",
+    "gpu__time_duration.sum",
+    "--csv",
+    "--print-units",
+    "base",
+]
+
+
+def _ncu() -> str:
+    found = shutil.which("ncu") or next(
+        (str(p) for p in sorted(Path("/opt/nvidia").glob("nsight-compute/*/ncu"))), None
+    )
+    if not found:
+        sys.exit("ncu (Nsight Compute) not found: --ncu needs it on PATH")
+    return found
+
+
+def ncu_rows(text: str) -> list[dict]:
+    """Rows like `iree-profile dispatch`'s (key, count, total_ns) from ncu's CSV of
+    gpu__time_duration, one row per kernel name, launches summed."""
+    start = text.find('"ID"')
+    if start < 0:
+        sys.exit("ncu wrote no kernel rows: did the call launch any kernel?")
+    rows: dict[str, dict] = {}
+    for rec in csv.DictReader(io.StringIO(text[start:])):
+        if rec.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        ns = float(rec["Metric Value"].replace(",", ""))
+        if rec.get("Metric Unit") in ("usecond", "us"):
+            ns *= 1e3
+        elif rec.get("Metric Unit") in ("msecond", "ms"):
+            ns *= 1e6
+        row = rows.setdefault(
+            rec["Kernel Name"],
+            {
+                "type": "dispatch_group",
+                "key": rec["Kernel Name"],
+                "count": 0,
+                "total_ns": 0.0,
+                "time_ns_available": True,
+            },
+        )
+        row["count"] += 1
+        row["total_ns"] += ns
+    return list(rows.values())
+
+
 def _total_ns(row: dict) -> float | None:
     t = row.get("total_ns")
     timed = row.get("time_ns_available") or row.get("type") == "host_dispatch_group"
@@ -114,13 +179,16 @@ def _total_ns(row: dict) -> float | None:
 
 def kind(name: str) -> str:
     """What a dispatch is, from the name iree gives it: contractions with their element types
-    (`matmul bf16xbf16xf32`), `reduction`, `elementwise` (with a narrowing to bf16/f16 named
-    apart), `copy`, `transpose`, `pack`, `encoding`, else `other`."""
+    (`matmul bf16xbf16xf32`), `attention` (iree's fused op), `reduction`, `elementwise` (with a
+    narrowing to bf16/f16 named apart), `copy`, `transpose`, `pack`, `encoding`, else `other`."""
     body = name.split("$", 1)[-1]
     if body.startswith("_encoding"):
         return "encoding"
-    body = re.sub(r"^async_dispatch_\d+_", "", body)
+    # iree's name (`f$async_dispatch_N_...`), or the CUDA kernel's (`f_async_dispatch_N_...`)
+    body = re.sub(r"^(?:\w*?_)?async_dispatch_\d+_", "", body)
     types = re.findall(r"(?:b?f|i)\d+(?:x(?:b?f|i)\d+)*$", body)
+    if body.startswith("attention"):
+        return "attention"
     if "matmul" in body or "conv" in body or "contract" in body:
         return f"matmul {types[0] if types else '?'}"
     if "reduction" in body:
@@ -152,6 +220,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda", help="iree device: cuda, vulkan, local-task")
     p.add_argument(
         "--mode", help="--device_profiling_mode (host-execution on local-*, else dispatch-events)"
+    )
+    p.add_argument(
+        "--ncu",
+        action="store_true",
+        help="time the kernels with Nsight Compute (cuda: no HAL profiling)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top", type=int, default=25)

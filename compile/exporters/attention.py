@@ -1,6 +1,17 @@
 """Attention export choices for diffusers models (UNet, VAE): how attention is traced.
 
 - `sdpa`: one fused scaled_dot_product_attention op (IREE's attention op; GPU targets).
+- `sdpa_pow2`: the fused op with the head dim zero-padded to a power of two (at least 64), the
+  scale still that of the real dim, the padding sliced off after. iree 3.13's cuda codegen gives
+  the attention op tensor cores (NV_MMA_SYNC) only at head dims 64, 128 and 256 (and key counts
+  that are multiples of 64): SD 1.5's 40, 80 and 160 ran on plain FMA lanes, 71 % of an fp16
+  UNet call's kernel time on an H200 (compile/NOTES.md). Zeros change neither the scores nor
+  the output.
+- `sdpa_pow2_keys`: `sdpa_pow2`, and key counts padded to a multiple of 64 with zero keys and
+  values masked out (-30000 added to their scores), so that cross-attention's 77 text tokens
+  get the tensor-core schedule too (iree's cuda configuration shows it). Not in any preset:
+  unmeasured on a GPU, where another cross-attention rewrite came out non-finite
+  (compile/NOTES.md); a variant for the next GPU session (tools/device_variants.sh).
 - `decomposed`: diffusers' classic bmm-softmax-bmm (AttnProcessor).
 - `chunked`: matmul-exp-matmul per head, cut into blocks of queries whose score tile fits in
   cache, with the softmax normalization moved after the second matmul. Made for llvm-cpu, where
@@ -28,7 +39,7 @@ import torch
 # 16 MiB measured best on a Zen 8 MiB-L3 CPU (4-16 MiB all within noise; one 1 GB block 1.2x slower).
 SCORE_BLOCK_BYTES = 16 << 20
 
-ATTENTIONS = ("sdpa", "decomposed", "chunked")
+ATTENTIONS = ("sdpa", "sdpa_pow2", "sdpa_pow2_keys", "decomposed", "chunked")
 
 
 def query_block(queries: int, keys: int, itemsize: int, budget: int) -> int:
@@ -131,6 +142,48 @@ class UpcastSdpaProcessor(ChunkedAttnProcessor):
         return out[0]
 
 
+# sdpa_pow2_keys: key counts padded to a multiple of this; padded keys' scores get MASKED_OUT
+# (finite in fp16, exp() of it is 0 next to any real score).
+KEY_MULTIPLE = 64
+MASKED_OUT = -30000.0
+
+
+def pow2_dim(dim: int, least: int = 64) -> int:
+    """The head dim sdpa_pow2 pads to: the next power of two, at least `least`."""
+    return max(least, 1 << (dim - 1).bit_length())
+
+
+class Pow2SdpaProcessor(ChunkedAttnProcessor):
+    """`sdpa_pow2`: the fused op on query, key and value zero-padded along the head dim; a layer
+    that asks for attention upcast gets them in fp32 as under UpcastSdpaProcessor."""
+
+    pad_keys = False
+
+    def attend(self, query, key, value, scale, mask):
+        keys = key.shape[1]
+        if self.pad_keys and keys % KEY_MULTIPLE:
+            extra = KEY_MULTIPLE - keys % KEY_MULTIPLE
+            key, value = (torch.nn.functional.pad(t, (0, 0, 0, extra)) for t in (key, value))
+            if mask is None:
+                mask = torch.zeros(1, 1, keys, dtype=query.dtype)
+            mask = torch.nn.functional.pad(mask, (0, extra), value=MASKED_OUT)
+        d = query.shape[-1]
+        pad = pow2_dim(d) - d
+        if pad:
+            query, key, value = (torch.nn.functional.pad(t, (0, pad)) for t in (query, key, value))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query[None], key[None], value[None], attn_mask=None if mask is None else mask[None],
+            scale=scale,
+        )  # fmt: skip
+        return out[0, ..., :d]
+
+
+class Pow2KeysSdpaProcessor(Pow2SdpaProcessor):
+    """`sdpa_pow2_keys`: Pow2SdpaProcessor with key counts padded and masked to a multiple of 64."""
+
+    pad_keys = True
+
+
 def set_attention(model: torch.nn.Module, attention: str) -> None:
     """Give every attention layer of a diffusers model the processor for an export choice
     (under `sdpa`, layers that ask for attention upcast get UpcastSdpaProcessor)."""
@@ -138,6 +191,8 @@ def set_attention(model: torch.nn.Module, attention: str) -> None:
 
     processors = {
         "sdpa": AttnProcessor2_0,
+        "sdpa_pow2": Pow2SdpaProcessor,
+        "sdpa_pow2_keys": Pow2KeysSdpaProcessor,
         "decomposed": AttnProcessor,
         "chunked": ChunkedAttnProcessor,
     }

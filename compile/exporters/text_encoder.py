@@ -96,8 +96,9 @@ def plan_text_encoder(
     pooled: str = "pooled_output",
 ) -> ExportPlan:
     # transformers' eager attention is the decomposed matmul-softmax-matmul form; at 77 tokens
-    # its scores are tiny, so `chunked` has nothing to cut and exports it the same way.
-    model.set_attn_implementation("sdpa" if attention == "sdpa" else "eager")
+    # its scores are tiny, so `chunked` has nothing to cut and exports it the same way. CLIP's
+    # head dim is 64 in every SD family, already what `sdpa_pow2` pads to.
+    model.set_attn_implementation("sdpa" if attention.startswith("sdpa") else "eager")
     model = model.to(dtype).eval()
     entry = TextEncoderEntry(model, hidden_states)
     dt = {torch.float32: "float32", torch.float16: "float16"}[dtype]

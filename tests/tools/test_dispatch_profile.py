@@ -25,6 +25,11 @@ import pytest
         ("denoise_cfg$async_dispatch_1_slow_memcpy", "copy"),
         ("_encoding_0_encode_1024x40xf32_to_1024x40xf32", "encoding"),
         ("denoise_cfg$async_dispatch_5_transpose_2x320x4096_f32", "transpose"),
+        ("denoise_cfg_async_dispatch_83_attention_2x8x4096x40x40x4096", "attention"),  # ncu's
+        (
+            "denoise_cfg_async_dispatch_12_conv_2x320x64x64x320x3x3_f16xf16xf32",
+            "matmul f16xf16xf32",
+        ),
     ],
 )
 def test_dispatch_kinds(name, kind):
@@ -48,3 +53,32 @@ def test_cpu_profile_of_the_tiny_unet(compiled, tmp_path, capsys):
     assert len(lines) - lines.index("") - 1 == 5  # the top dispatches
     assert (out / "unet.ireeprof").stat().st_size > 0
     assert not (out / "params").exists()  # the weights' copy is not kept
+
+
+def test_ncu_csv_to_dispatch_rows():
+    head = (
+        '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+        '"Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit",'
+        '"Metric Value"\n'
+    )
+
+    def line(i, name, unit, value):
+        return (
+            f'"{i}","7","iree-run-module","127.0.0.1","{name}","1","13","(64, 1, 1)",'
+            f'"(80, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum",'
+            f'"{unit}","{value}"\n'
+        )
+
+    mm = "denoise_cfg_async_dispatch_7_matmul_like_2x4096x320x320_f16xf16xf32"
+    text = (
+        "==PROF== Connected to process 7\n"
+        + head
+        + line(0, mm, "nsecond", "1,500")
+        + line(1, "denoise_cfg_async_dispatch_9_elementwise_2x320_f16", "usecond", "2.5")
+        + line(2, mm, "nsecond", "500")
+    )
+    rows = {r["key"]: r for r in dispatch_profile.ncu_rows(text)}
+    assert rows[mm]["count"] == 2 and rows[mm]["total_ns"] == 2000.0
+    ew = rows["denoise_cfg_async_dispatch_9_elementwise_2x320_f16"]
+    assert ew["total_ns"] == 2500.0 and dispatch_profile._total_ns(ew) == 2500.0
+    assert dispatch_profile.kind(mm) == "matmul f16xf16xf32"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -9,6 +11,7 @@ torch = pytest.importorskip("torch")
 from sdiree.compile.exporters.attention import (  # noqa: E402
     SCORE_BLOCK_BYTES,
     chunked_attention,
+    pow2_dim,
     query_block,
     set_attention,
 )
@@ -41,7 +44,26 @@ def test_chunked_attention_is_softmax_attention(mask_rows):
     torch.testing.assert_close(got, reference(q, k, v, 0.35, mask), atol=2e-6, rtol=1e-5)
 
 
-def test_processor_matches_diffusers_in_a_unet_and_a_vae(tiny_model):
+@pytest.mark.parametrize("pad_keys", [False, True], ids=["pow2", "pow2-keys"])
+@pytest.mark.parametrize("keys,dim", [(64, 40), (77, 80), (64, 64)], ids=["40", "cross", "64"])
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
+def test_pow2_processor_is_softmax_attention(keys, dim, pad_keys, masked):
+    from sdiree.compile.exporters.attention import Pow2KeysSdpaProcessor, Pow2SdpaProcessor
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(4, 24, dim), torch.randn(4, keys, dim), torch.randn(4, keys, dim)
+    mask = torch.randn(4, 1, keys) if masked else None
+    proc = Pow2KeysSdpaProcessor() if pad_keys else Pow2SdpaProcessor()
+    got = proc.attend(q, k, v, dim**-0.5, mask)
+    torch.testing.assert_close(got, reference(q, k, v, dim**-0.5, mask), atol=2e-6, rtol=1e-5)
+
+
+def test_pow2_dim():
+    assert [pow2_dim(d) for d in (8, 40, 64, 80, 128, 160)] == [64, 64, 64, 128, 128, 256]
+
+
+@pytest.mark.parametrize("choice", ["chunked", "sdpa_pow2", "sdpa_pow2_keys"])
+def test_processor_matches_diffusers_in_a_unet_and_a_vae(tiny_model, choice):
     """Every diffusers attention layer kind SD uses (self, cross, the VAE's group-norm one)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
 
@@ -60,7 +82,7 @@ def test_processor_matches_diffusers_in_a_unet_and_a_vae(tiny_model):
         set_attention(model, "decomposed")
     want = run()
     for model in (unet, vae):
-        set_attention(model, "chunked")
+        set_attention(model, choice)
     got = run()
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
@@ -99,3 +121,56 @@ def test_compiled_chunked_attention_matches_torch():
     ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
     got = np.asarray(ctx.modules.module.main(q.numpy(), k.numpy(), v.numpy()).to_host())
     np.testing.assert_allclose(got, reference(q, k, v, 0.2).numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "target,arch,intrinsic",
+    [("cuda", "sm_80", "NV_MMA_SYNC"), ("rocm", "gfx942", "MFMA"), ("rocm", "gfx1100", "WMMA")],
+)
+@pytest.mark.parametrize(
+    "choice,keys,tensor_cores",
+    [
+        ("sdpa", 256, False),
+        ("sdpa_pow2", 256, True),
+        ("sdpa_pow2", 77, False),
+        ("sdpa_pow2_keys", 77, True),
+    ],
+)
+def test_gpu_attention_gets_matrix_cores_only_padded(
+    target, arch, intrinsic, choice, keys, tensor_cores
+):
+    """SD 1.5's 40-wide heads: iree's own configuration of the fused attention op, for the
+    registry's fp16 flags of each GPU target, has a matrix-core schedule (NV_MMA_SYNC, MFMA,
+    WMMA) only with the head dim padded to a power of two, as the registry exports it, and over
+    77 text tokens only with the keys padded too (sdpa_pow2_keys)."""
+    from diffusers.models.attention_processor import Attention
+    from iree.compiler import compile_str
+    from iree.turbine import aot
+
+    from sdiree.runtime.targets import load_registry
+
+    gpu = load_registry().target(target)
+    assert gpu.export_for("unet", "fp16", arch)["attention"] == "sdpa_pow2"
+
+    class Model(torch.nn.Module):  # set_attention walks a model's Attention layers
+        def __init__(self):
+            super().__init__()
+            self.attn = Attention(320, heads=8, dim_head=40)
+
+        def set_attn_processor(self, processor):
+            self.attn.set_processor(processor)
+
+        def forward(self, x, context):
+            return self.attn(x, context)
+
+    model = Model().half().eval()
+    set_attention(model, choice)
+    x = torch.randn(1, 256, 320, dtype=torch.float16)
+    context = torch.randn(1, keys, 320, dtype=torch.float16)
+    mlir = str(aot.export(model, args=(x, context)).mlir_module)
+    flags = [*gpu.compile_flags(arch, "fp16", "unet"), "--compile-to=executable-configurations"]
+    out = compile_str(mlir, extra_args=flags).decode()
+    funcs = re.split(r"\n\s*func\.func @", out)[1:]
+    attention = [f for f in funcs if re.match(r"\S*attention", f)]
+    assert len(attention) == 1, [f.split("(")[0] for f in funcs]
+    assert (f"mma_kind = #iree_gpu.mma_layout<{intrinsic}" in attention[0]) == tensor_cores
