@@ -98,7 +98,7 @@ CASES = {
     ),
     "unknown-attention": (
         _cpu(lambda t: t["export"].__setitem__("attention", "flash")),
-        "targets.cpu.export.attention is 'flash', not one of sdpa, decomposed, chunked",
+        "targets.cpu.export.attention is 'flash', not one of sdpa, sdpa_pow2, sdpa_pow2_keys, decomposed, chunked",
     ),
     "unknown-conv-of-a-submodule": (
         _cpu(lambda t: t["submodule_export"]["vae_decoder"].__setitem__("conv", "fft")),
