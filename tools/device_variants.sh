@@ -9,10 +9,10 @@
 #   TARGET=cuda bash tools/device_variants.sh base 'pow2:export.attention="sdpa_pow2"' \
 #       'nhwc:export.attention="sdpa_pow2";submodule_flags.unet+=["--iree-preprocessing-pass-pipeline=builtin.module(iree-preprocessing-transpose-convolution-pipeline)"]'
 # BENCH names the variant benched against torch (default: the second, else the first);
-# PROFILE the variants profiled (default: all; `none`: none). Variants whose patch keeps the first one's
-# export share its cache (REUSE=NAME:FROM). Outputs in $OUT: ab.json, bench.json/.log,
-# ncu-NAME.txt, and compile-NAME.log of a variant that failed to compile
-# ($OUT brings back at most 8 files).
+# PROFILE the variants profiled (default: all; `none`: none). A variant whose patch keeps
+# another's export (flags only) can share its cache: REUSE="NAME:FROM ...". Outputs in $OUT:
+# ab.json, bench.json/.log, ncu-NAME.txt, and compile-NAME.log of a variant that failed to
+# compile ($OUT brings back at most 8 files). tools/PERFORMANCE.md ("fifteenth") has a run.
 source "$(dirname "$0")/device_env.sh"
 TARGET=${TARGET:-cuda}
 HW=${HW:-512}

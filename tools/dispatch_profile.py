@@ -9,12 +9,14 @@ archives are sdiree's own formats), so this needs disk for a copy of the submodu
 Used on a lent GPU (tools/PERFORMANCE.md, "GPU") to find what a tuning spec should target, and
 on cpu (`--device local-task`, host-execution timing; iree's Python runtime cannot capture a
 profile). iree 3.13's cuda HAL cannot profile at all, so `--ncu` runs the same call under Nsight
-Compute (`ncu`, kernel durations only, each kernel replayed with cold caches) and reads its CSV. On cpu a profile keeps ~4,100 dispatch records: a larger call's later dispatches are
-dropped (`iree-profile explain` says how many). Needs iree-base-runtime, numpy and this
-checkout's sdiree (its inputs are `verify`'s).
+Compute (`ncu`: kernel durations only, caches flushed before each kernel) and reads its CSV. On
+cpu a profile keeps ~4,100 dispatch records: a larger call's later dispatches are dropped
+(`iree-profile explain` says how many). Needs iree-base-runtime, numpy and this checkout's
+sdiree (its inputs are `verify`'s).
 
     python tools/dispatch_profile.py ARTIFACT --submodule unet --function denoise_cfg \\
-        --device cuda|vulkan|local-task [--mode dispatch-events] [--ncu] [--top 25] [--group] [--out DIR]
+        --device cuda|vulkan|local-task [--mode dispatch-events] [--ncu] [--top 25] [--group]
+        [--out DIR]
 """
 
 from __future__ import annotations

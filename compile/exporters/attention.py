@@ -2,9 +2,9 @@
 
 - `sdpa`: one fused scaled_dot_product_attention op (IREE's attention op; GPU targets).
 - `sdpa_pow2`: the fused op with the head dim zero-padded to a power of two (at least 64), the
-  scale still that of the real dim, the padding sliced off after. iree 3.13's cuda codegen gives
-  the attention op tensor cores (NV_MMA_SYNC) only at head dims 64, 128 and 256 (and key counts
-  that are multiples of 64): SD 1.5's 40, 80 and 160 ran on plain FMA lanes, 71 % of an fp16
+  scale still that of the real dim, the padding sliced off after. iree 3.13's cuda and rocm
+  codegen give the attention op matrix cores (NV_MMA_SYNC, MFMA, WMMA) only at head dims 64, 128
+  and 256 (and key counts that are multiples of 64): SD 1.5's 40, 80 and 160 ran on plain FMA lanes, 71 % of an fp16
   UNet call's kernel time on an H200 (compile/NOTES.md). Zeros change neither the scores nor
   the output.
 - `sdpa_pow2_keys`: `sdpa_pow2`, and key counts padded to a multiple of 64 with zero keys and
