@@ -154,8 +154,10 @@ def pow2_dim(dim: int, least: int = 64) -> int:
 
 
 class Pow2SdpaProcessor(ChunkedAttnProcessor):
-    """`sdpa_pow2`: the fused op on query, key and value zero-padded along the head dim; a layer
-    that asks for attention upcast gets them in fp32 as under UpcastSdpaProcessor."""
+    """`sdpa_pow2`: the fused op on query, key and value zero-padded along the head dim. A layer
+    that asks for attention or softmax upcast gets them in fp32 (ChunkedAttnProcessor's casts;
+    plain `sdpa` upcasts attention-upcast layers only, so the VAE, whose attention upcasts its
+    softmax, stays on `sdpa` in the registry)."""
 
     pad_keys = False
 
