@@ -51,10 +51,10 @@ done
 # wait for that one to finish, then reuse its MLIR and parameters.
 declare -A from=()
 for r in ${REUSE:-}; do from[${r%%:*}]=${r#*:}; done
+cache_of() { echo "/tmp/sdiree-cache/${from[$1]:-$1}"; }
 compile() {
-    local name=$1 cache=/tmp/sdiree-cache/$1
-    [ -n "${from[$name]:-}" ] && cache=/tmp/sdiree-cache/${from[$name]}
-    SDIREE_CACHE=$cache python3 -m sdiree.runtime.cli compile "$MODEL" --target "$TARGET" \
+    local name=$1
+    SDIREE_CACHE=$(cache_of "$name") python3 -m sdiree.runtime.cli compile "$MODEL" --target "$TARGET" \
         --height "$HW" --width "$HW" --specs "/tmp/specs-$name" --out "$ART/$name" \
         > "/tmp/compile-$name.log" 2>&1 && echo "=== compiled $name at $(($(date +%s) - t0)) s" ||
         { echo "=== compile $name FAILED: $(grep -m1 -i error "/tmp/compile-$name.log")"
@@ -86,7 +86,7 @@ fi
 
 bench=${BENCH:-${names[1]:-${names[0]}}}
 echo "=== bench $bench against torch"
-SDIREE_CACHE=/tmp/sdiree-cache/${from[$bench]:-$bench} timeout 240 python3 tools/bench.py "$MODEL" --height "$HW" --width "$HW" --target "$TARGET" \
+SDIREE_CACHE=$(cache_of "$bench") timeout 240 python3 tools/bench.py "$MODEL" --height "$HW" --width "$HW" --target "$TARGET" \
     --specs "/tmp/specs-$bench" --out "$ART/$bench" --torch-device cuda --steps 20 --runs 3 \
     --warmup 1 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || echo "=== bench failed"
 

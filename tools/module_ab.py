@@ -22,12 +22,12 @@ import numpy as np
 
 
 def _session(art: Path, submodule: str, device: str | None):
-    from sdiree.runtime.device import find_device, list_devices
+    from sdiree.runtime.device_select import choose_device
     from sdiree.runtime.manifest import load_manifest
     from sdiree.runtime.session import Session
 
     manifest = load_manifest(art)
-    info = find_device(device, manifest.driver) if device else list_devices(manifest.driver)[0]
+    info, _ = choose_device(manifest, device)  # as `sdiree run` picks it
     return manifest, Session(manifest, info, (submodule,))
 
 

@@ -129,17 +129,21 @@ class ChunkedAttnProcessor:
         return chunked_attention(query, key, value, scale, mask)
 
 
+def fused_attention(query, key, value, scale, mask):
+    """The fused op on [batch*heads, tokens, dim] tensors, as one batch of heads (its 4-D form)."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query[None], key[None], value[None], attn_mask=None if mask is None else mask[None],
+        scale=scale,
+    )  # fmt: skip
+    return out[0]
+
+
 class UpcastSdpaProcessor(ChunkedAttnProcessor):
     """The fused op (`sdpa`) for a layer that asks for attention upcast: query, key and value
     enter it in fp32 (ChunkedAttnProcessor's casts), the result returns to the model's dtype."""
 
     def attend(self, query, key, value, scale, mask):
-        # [batch*heads, tokens, dim] as one batch of heads: the 4-D form of the fused op
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query[None], key[None], value[None], attn_mask=None if mask is None else mask[None],
-            scale=scale,
-        )  # fmt: skip
-        return out[0]
+        return fused_attention(query, key, value, scale, mask)
 
 
 # sdpa_pow2_keys: key counts padded to a multiple of this; padded keys' scores get MASKED_OUT
@@ -173,11 +177,7 @@ class Pow2SdpaProcessor(ChunkedAttnProcessor):
         pad = pow2_dim(d) - d
         if pad:
             query, key, value = (torch.nn.functional.pad(t, (0, pad)) for t in (query, key, value))
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query[None], key[None], value[None], attn_mask=None if mask is None else mask[None],
-            scale=scale,
-        )  # fmt: skip
-        return out[0, ..., :d]
+        return fused_attention(query, key, value, scale, mask)[..., :d]
 
 
 class Pow2KeysSdpaProcessor(Pow2SdpaProcessor):
