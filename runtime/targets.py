@@ -263,6 +263,7 @@ EXPORT_CHOICES = {
     "attention": ("sdpa", "sdpa_pow2", "sdpa_pow2_keys", "decomposed", "chunked"),
     "conv": ("native", "matmul", "winograd", "winograd4", "pointwise_einsum"),
     "linear": ("native", "flat"),
+    "transformer": ("native", "channels_first"),  # the UNet's transformer blocks
 }
 # positive integers, in submodule_export.unet only: F(4x4) from this input side; plain matmuls
 # where the input side is at most the latent's / this

@@ -101,6 +101,7 @@ def plan_for(builder, submodule: str):
             winograd4_min_side=options.get("winograd4_min_side"),
             plain_from_downscale=options.get("plain_from_downscale"),
             added_conditioning=added_conditioning(p),
+            transformer=options.get("transformer", "native"),
         )
     for key in UNET_ONLY_EXPORT:
         if key in options:

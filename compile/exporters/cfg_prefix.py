@@ -34,7 +34,10 @@ def cfg_prefix_modules(unet: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _before_cross_attention(transformer: torch.nn.Module) -> list[torch.nn.Module]:
-    """A Transformer2DModel's modules that run before its first block's cross-attention."""
+    """A Transformer2DModel's modules that run before its first block's cross-attention (the
+    transformer itself when exported channels first: it shares that prefix on its own)."""
+    if getattr(transformer, "channels_first", False):
+        return [transformer]
     modules = [transformer.norm, transformer.proj_in]
     first = transformer.transformer_blocks[0]
     if (
@@ -52,7 +55,10 @@ def share_cfg_prefix(unet: torch.nn.Module, batch: int) -> int:
     2 * batch runs at batch `batch` and its output is repeated; returns how many."""
     modules = cfg_prefix_modules(unet)
     for module in modules:
-        module.forward = _first_half_forward(module.forward, batch)
+        if getattr(module, "channels_first", False):
+            module.cfg_prefix_batch = batch  # compile/exporters/channels_first.py
+        else:
+            module.forward = _first_half_forward(module.forward, batch)
     return len(modules)
 
 

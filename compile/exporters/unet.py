@@ -20,6 +20,7 @@ import torch
 from .attention import set_attention
 from .base import NUMPY_DTYPE_NAMES, ExportPlan, FunctionSpec, TensorSpec
 from .cfg_prefix import share_cfg_prefix
+from .channels_first import set_transformer_layout
 from .conv_matmul import WINOGRAD_TILES, conv_input_sides, set_conv_lowering, tiles_by_side
 from .norm_precision import group_norms_in_fp32
 
@@ -85,6 +86,7 @@ def plan_unet(
     winograd4_min_side: int | None = None,
     plain_from_downscale: int | None = None,
     added_conditioning: dict[str, int] | None = None,
+    transformer: str = "native",
 ) -> ExportPlan:
     channels = unet.config.in_channels
     out_channels = unet.config.out_channels
@@ -108,6 +110,7 @@ def plan_unet(
     set_attention(unet, attention)
     cat_text_time_embedding(unet)
     derived = set_conv_lowering(unet, conv, tiles)
+    set_transformer_layout(unet, transformer)
     group_norms_in_fp32(unet, dtype)
     share_cfg_prefix(unet, batch)  # last: it wraps the forwards rebound above
     unet = unet.to(dtype).eval()
@@ -165,6 +168,7 @@ def plan_unet(
             "conv": conv,
             "winograd4_min_side": winograd4_min_side,
             "plain_from_downscale": plain_from_downscale,
+            "transformer": transformer,
         },
         derived=derived,
     )
