@@ -11,11 +11,13 @@ the activation is the right operand, whose pack reads contiguous tokens, and the
 needs no transpose at all (the guided call's two images sit side by side along the tokens).
 
 Each block computes what diffusers' BasicTransformerBlock does (layer norms over channels,
-self-attention, cross-attention, GEGLU feed-forward, residuals); attention is the `chunked`
-choice's maths keys-first: per head and image, scores `k^T q` of a block of queries, the
-softmax's max taken over the keys, exp fused into the pack of the second matmul `[v; 1] @ e`,
-whose last row is the softmax's sums. Transformers this does not cover (another norm or
-activation, patches, masks) keep diffusers' forward.
+self-attention, cross-attention, GEGLU feed-forward, residuals). Attention alone stays tokens
+first, as the `chunked` choice computes it: channels first, every scores matmul would contract
+over the rows of both q and k, so one of them would be a transposed view, which iree 3.13 packs
+into a stack buffer inside the matmul's dispatch (over the 32 KiB limit at SD sizes) and ran
+2x slower (compile/NOTES.md). q, k and v are projected from the activation's transposed view,
+the attention's output projected back channels first. Transformers this does not cover
+(another norm or activation, patches, masks) keep diffusers' forward.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from .attention import SCORE_BLOCK_BYTES, query_block
+from .attention import chunked_attention
 
 TRANSFORMER_CHOICES = ("native", "channels_first")
 
@@ -50,47 +52,26 @@ def _layer_norm(norm: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def keys_first_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, budget: int | None = None
-) -> torch.Tensor:
-    """softmax(q^T k * scale) attention for one head and image, channels first: q [d, queries],
-    k and v [d, keys] -> [d, queries]; blocks of queries whose scores fit budget bytes
-    (SCORE_BLOCK_BYTES)."""
-    d, nq = q.shape
-    keys = k.shape[1]
-    qc = query_block(nq, keys, q.element_size(), budget or SCORE_BLOCK_BYTES)
-    k_t = (k * scale).t()
-    v1 = torch.cat([v, torch.ones_like(v[:1])], dim=0)
-    cols = []
-    for i in range(0, nq, qc):
-        s = torch.mm(k_t, q[:, i : i + qc])  # [keys, qc]
-        e = torch.exp(s - s.amax(dim=0, keepdim=True))
-        r = torch.mm(v1, e)  # [d + 1, qc]
-        cols.append(r[:d] / r[d:])
-    return torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]
-
-
-def _attention(attn, x: torch.Tensor, context: torch.Tensor, images: int) -> torch.Tensor:
-    """diffusers Attention (no mask, no norms of its own) on channels-first x [dim, images*T];
-    context [ctx_dim, images*Tk] (x itself for self-attention)."""
+def _attention(attn, x, context_tokens, images):
+    """diffusers Attention on channels-first x [dim, images*T], computed as the `chunked` export
+    does (tokens first, queries first): q, k, v projected from x's transposed view (and from
+    context_tokens [images*Tk, ctx_dim] for cross-attention), the output projected back to
+    channels first."""
     heads = attn.heads
-    q, k, v = _mm(attn.to_q, x), _mm(attn.to_k, context), _mm(attn.to_v, context)
+    xt = x.t()
+    ctx = xt if context_tokens is None else context_tokens
+    q, k, v = attn.to_q(xt), attn.to_k(ctx), attn.to_v(ctx)
     dtype = q.dtype
     if attn.upcast_attention or attn.upcast_softmax:
         q, k, v = q.float(), k.float(), v.float()
-    d = q.shape[0] // heads
-    nq, nk = q.shape[1] // images, k.shape[1] // images
-    per_image = []
-    for b in range(images):
-        heads_out = []
-        for h in range(heads):
-            rows = slice(h * d, (h + 1) * d)
-            qh = q[rows, b * nq : (b + 1) * nq]
-            kh, vh = k[rows, b * nk : (b + 1) * nk], v[rows, b * nk : (b + 1) * nk]
-            heads_out.append(keys_first_attention(qh, kh, vh, attn.scale))
-        per_image.append(torch.cat(heads_out))
-    out = torch.cat(per_image, dim=1) if images > 1 else per_image[0]
-    return _mm(attn.to_out[0], out.to(dtype)) / attn.rescale_output_factor
+    d = q.shape[1] // heads
+
+    def per_head(t):  # [images*T, heads*d] -> [images*heads, T, d]
+        return t.reshape(images, -1, heads, d).permute(0, 2, 1, 3).reshape(images * heads, -1, d)
+
+    out = chunked_attention(per_head(q), per_head(k), per_head(v), attn.scale)
+    out = out.reshape(images, heads, -1, d).permute(0, 2, 1, 3).reshape(-1, heads * d)
+    return _mm(attn.to_out[0], out.to(dtype).t()) / attn.rescale_output_factor
 
 
 def _feed_forward(ff, x: torch.Tensor) -> torch.Tensor:
@@ -99,19 +80,19 @@ def _feed_forward(ff, x: torch.Tensor) -> torch.Tensor:
     return _mm(out, hidden * F.gelu(gate))
 
 
-def _block(block, x, context, images, prefix_images=None):
-    """A BasicTransformerBlock on [dim, images*T]; with prefix_images, the self-attention (which
-    sees only the latents, the same for guidance's two halves) runs on the first prefix_images
-    images' tokens and is repeated."""
+def _block(block, x, context_tokens, images, prefix_images=None):
+    """A BasicTransformerBlock on [dim, images*T]; with prefix_images, x holds only the first
+    prefix_images images' tokens (guidance's halves share them), the self-attention runs on
+    those, and its result is repeated to all `images`. (x is not a slice of a repeated tensor:
+    iree 3.13 fails to vectorize a residual add on such a slice in the data-tiled layout.)"""
     if prefix_images:
-        half = x[:, : prefix_images * (x.shape[1] // images)]
-        n = _layer_norm(block.norm1, half)
-        x = (half + _attention(block.attn1, n, n, prefix_images)).repeat(1, images // prefix_images)
-    else:
         n = _layer_norm(block.norm1, x)
-        x = x + _attention(block.attn1, n, n, images)
+        x = (x + _attention(block.attn1, n, None, prefix_images)).repeat(1, images // prefix_images)
+    else:
+        x = x + _attention(block.attn1, _layer_norm(block.norm1, x), None, images)
     if block.attn2 is not None:
-        x = x + _attention(block.attn2, _layer_norm(block.norm2, x), context, images)
+        n = _layer_norm(block.norm2, x)
+        x = x + _attention(block.attn2, n, context_tokens, images)
     return x + _feed_forward(block.ff, _layer_norm(block.norm3, x))
 
 
@@ -132,18 +113,15 @@ def _channels_first_forward(
     n = x.shape[0]
     x = x.reshape(n, c, h * w).transpose(0, 1).reshape(c, n * h * w)
     x = _mm(self.proj_in, x)
-    if prefix:
-        x = x.repeat(1, b // n)
-    context = None
+    context_tokens = None
     if encoder_hidden_states is not None:
-        context = encoder_hidden_states.transpose(1, 2).transpose(0, 1)
-        context = context.reshape(context.shape[0], -1)
+        context_tokens = encoder_hidden_states.reshape(-1, encoder_hidden_states.shape[-1])
     for i, block in enumerate(self.transformer_blocks):
-        x = _block(
-            block, x, context if block.attn2 is not None else None, b, prefix if i == 0 else None
-        )
+        # with a shared prefix x holds the first half's tokens until the first block repeats it
+        shared = prefix if i == 0 else None
+        x = _block(block, x, context_tokens, b, shared)
     x = _mm(self.proj_out, x)
-    x = x.reshape(c, b, h * w).transpose(0, 1).reshape(b, c, h, w) + residual
+    x = x.reshape(-1, b, h * w).transpose(0, 1).reshape(b, -1, h, w) + residual
     return (x,) if not return_dict else types.SimpleNamespace(sample=x)
 
 
