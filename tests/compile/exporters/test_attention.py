@@ -97,10 +97,9 @@ def test_compiled_chunked_attention_matches_torch():
     """Several blocks through iree's llvm-cpu with the cpu target's data tiling and ukernels.
 
     Each head is traced as 2-D matmuls (iree runs those faster than batch-1 batch_matmuls)."""
-    import iree.runtime as rt
     import numpy as np
-    from iree.compiler import compile_str
     from iree.turbine import aot
+    from llvm_cpu import DATA_TILING, run_main
 
     class Attn(torch.nn.Module):
         def forward(self, q, k, v):
@@ -110,16 +109,7 @@ def test_compiled_chunked_attention_matches_torch():
     q, k, v = torch.randn(4, 256, 40), torch.randn(4, 128, 40), torch.randn(4, 128, 40)
     mlir = str(aot.export(Attn(), args=(q, k, v)).mlir_module)
     assert mlir.count("torch.aten.mm ") == 2 * 4 * 4 and "torch.aten.bmm" not in mlir
-    flags = [
-        "--iree-llvmcpu-target-cpu=host",
-        "--iree-opt-data-tiling",
-        "--iree-llvmcpu-enable-ukernels=all",
-    ]
-    vmfb = compile_str(mlir, target_backends=["llvm-cpu"], extra_args=flags)
-    config = rt.Config("local-task")
-    ctx = rt.SystemContext(config=config)
-    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
-    got = np.asarray(ctx.modules.module.main(q.numpy(), k.numpy(), v.numpy()).to_host())
+    got = run_main(mlir, q.numpy(), k.numpy(), v.numpy(), flags=DATA_TILING)
     np.testing.assert_allclose(got, reference(q, k, v, 0.2).numpy(), atol=1e-5)
 
 

@@ -82,10 +82,9 @@ def test_unknown_choice_is_refused():
 def test_compiled_transformer_matches_diffusers():
     """One transformer (two blocks of self- and cross-attention) through iree's llvm-cpu with the
     cpu target's data tiling and ukernels."""
-    import iree.runtime as rt
     import numpy as np
-    from iree.compiler import compile_str
     from iree.turbine import aot
+    from llvm_cpu import DATA_TILING, run_main
 
     transformer = unet(False).down_blocks[0].attentions[0]
     x, e = torch.randn(2, 16, 8, 8), torch.randn(2, 5, 16)
@@ -104,14 +103,5 @@ def test_compiled_transformer_matches_diffusers():
     mlir = str(aot.export(Entry(), args=(x, e)).mlir_module)
     # attention as `chunked` traces it: per block, self- and cross-attention 2 images x 4 heads
     assert mlir.count("torch.aten.exp ") == 2 * (2 * 4 + 2 * 4)
-    flags = [
-        "--iree-llvmcpu-target-cpu=host",
-        "--iree-opt-data-tiling",
-        "--iree-llvmcpu-enable-ukernels=all",
-    ]
-    vmfb = compile_str(mlir, target_backends=["llvm-cpu"], extra_args=flags)
-    config = rt.Config("local-task")
-    ctx = rt.SystemContext(config=config)
-    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
-    got = np.asarray(ctx.modules.module.main(x.numpy(), e.numpy()).to_host())
+    got = run_main(mlir, x.numpy(), e.numpy(), flags=DATA_TILING)
     np.testing.assert_allclose(got, want.numpy(), atol=2e-5, rtol=1e-4)

@@ -20,10 +20,9 @@ def test_compiled_fp16_group_norm_is_finite_only_with_fp32_statistics(upcast):
     """4 channels x 128 x 128 values of ~300 per group: their squares sum far past fp16's
     65504. Compiled by iree (llvm-cpu) as exported, the fp16 GroupNorm returns NaN; with the
     rewrite it matches float32 group_norm, and parameter names do not change."""
-    import iree.runtime as rt
     import numpy as np
-    from iree.compiler import compile_str
     from iree.turbine import aot
+    from llvm_cpu import run_main
 
     torch.manual_seed(0)
     x = (torch.randn(1, 8, 128, 128) * 300).half()
@@ -33,13 +32,7 @@ def test_compiled_fp16_group_norm_is_finite_only_with_fp32_statistics(upcast):
     assert group_norms_in_fp32(model, torch.float16 if upcast else torch.float32) == int(upcast)
     assert list(model.state_dict()) == names
     mlir = str(aot.export(model, args=(x,)).mlir_module)
-    vmfb = compile_str(
-        mlir, target_backends=["llvm-cpu"], extra_args=["--iree-llvmcpu-target-cpu=host"]
-    )
-    config = rt.Config("local-task")
-    ctx = rt.SystemContext(config=config)
-    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
-    got = np.asarray(ctx.modules.module.main(x.numpy()).to_host()).astype(np.float32)
+    got = run_main(mlir, x.numpy()).astype(np.float32)
     if upcast:
         np.testing.assert_allclose(got, ref, atol=4e-3)
     else:  # what the rewrite is for: if iree ever sums fp16 groups in f32, drop the rewrite
