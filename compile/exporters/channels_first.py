@@ -12,7 +12,7 @@ needs no transpose at all (the guided call's two images sit side by side along t
 
 Each block computes what diffusers' BasicTransformerBlock does (layer norms over channels,
 self-attention, cross-attention, GEGLU feed-forward, residuals). Attention alone stays tokens
-first, as the `chunked` choice computes it: channels first, every scores matmul would contract
+first, computed as the attention export choice says (cpu: `chunked`): channels first, every scores matmul would contract
 over the rows of both q and k, so one of them would be a transposed view, which iree 3.13 packs
 into a stack buffer inside the matmul's dispatch (over the 32 KiB limit at SD sizes) and ran
 2x slower (compile/NOTES.md). q, k and v are projected from the activation's transposed view,
@@ -27,7 +27,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from .attention import chunked_attention
+from .attention import fused_attention
 
 TRANSFORMER_CHOICES = ("native", "channels_first")
 
@@ -52,11 +52,24 @@ def _layer_norm(norm: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def _attend(attn, q, k, v):
+    """Attention on [batch*heads, tokens, dim] as the layer's export choice computes it (set by
+    set_attention before this export: `chunked`, `sdpa_pow2*` and the upcast `sdpa` processors
+    say how; diffusers' own `sdpa` and `decomposed` processors are the fused op and
+    matmul-softmax-matmul)."""
+    attend = getattr(attn.processor, "attend", None)
+    if attend is not None:
+        return attend(q, k, v, attn.scale, None)
+    if type(attn.processor).__name__ == "AttnProcessor2_0":
+        return fused_attention(q, k, v, attn.scale, None)
+    return torch.bmm(q, k.transpose(1, 2)).mul(attn.scale).softmax(dim=-1).bmm(v)
+
+
 def _attention(attn, x, context_tokens, images):
-    """diffusers Attention on channels-first x [dim, images*T], computed as the `chunked` export
-    does (tokens first, queries first): q, k, v projected from x's transposed view (and from
-    context_tokens [images*Tk, ctx_dim] for cross-attention), the output projected back to
-    channels first."""
+    """diffusers Attention on channels-first x [dim, images*T], tokens first inside: q, k, v
+    projected from x's transposed view (and from context_tokens [images*Tk, ctx_dim] for
+    cross-attention), attention per head as the attention export choice computes it, the output
+    projected back to channels first."""
     heads = attn.heads
     xt = x.t()
     ctx = xt if context_tokens is None else context_tokens
@@ -69,7 +82,7 @@ def _attention(attn, x, context_tokens, images):
     def per_head(t):  # [images*T, heads*d] -> [images*heads, T, d]
         return t.reshape(images, -1, heads, d).permute(0, 2, 1, 3).reshape(images * heads, -1, d)
 
-    out = chunked_attention(per_head(q), per_head(k), per_head(v), attn.scale)
+    out = _attend(attn, per_head(q), per_head(k), per_head(v))
     out = out.reshape(images, heads, -1, d).permute(0, 2, 1, 3).reshape(-1, heads * d)
     return _mm(attn.to_out[0], out.to(dtype).t()) / attn.rescale_output_factor
 
@@ -122,7 +135,11 @@ def _channels_first_forward(
         x = _block(block, x, context_tokens, b, shared)
     x = _mm(self.proj_out, x)
     x = x.reshape(-1, b, h * w).transpose(0, 1).reshape(b, -1, h, w) + residual
-    return (x,) if not return_dict else types.SimpleNamespace(sample=x)
+    if not return_dict:
+        return (x,)
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+    return Transformer2DModelOutput(sample=x)
 
 
 def covered(transformer: torch.nn.Module) -> bool:

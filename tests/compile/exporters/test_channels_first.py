@@ -46,6 +46,26 @@ def test_a_unet_gives_diffusers_outputs_with_its_own_parameters(linear_projectio
     assert not any("forward" in vars(m) for m in model.modules() if hasattr(m, "proj_in"))
 
 
+@pytest.mark.parametrize("attention", ["chunked", "sdpa", "decomposed", "sdpa_pow2"])
+def test_attention_is_computed_as_the_attention_choice_says(attention, monkeypatch):
+    from sdiree.compile.exporters import attention as choices
+    from sdiree.compile.exporters.attention import set_attention
+
+    model = unet(True)
+    x, e = torch.randn(2, 4, 8, 8), torch.randn(2, 5, 16)
+    set_attention(model, attention)
+    with torch.no_grad():
+        want = model(x, 10.0, e).sample
+        set_transformer_layout(model, "channels_first")
+        calls = []
+        fused = choices.fused_attention
+        monkeypatch.setattr(choices, "fused_attention", lambda *a: calls.append(1) or fused(*a))
+        got = model(x, 10.0, e).sample
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    # the padded choice goes through its processor, which calls the fused op
+    assert bool(calls) == (attention == "sdpa_pow2")
+
+
 def test_guidance_prefix_runs_once_and_gives_the_same_outputs():
     """share_cfg_prefix hands the first transformer its half batch: its norm runs on one image's
     rows, and the guided pair's outputs are those of diffusers."""
