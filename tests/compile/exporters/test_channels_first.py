@@ -106,7 +106,11 @@ def test_compiled_transformer_matches_diffusers():
     from iree.turbine import aot
     from llvm_cpu import DATA_TILING, run_main
 
-    transformer = unet(False).down_blocks[0].attentions[0]
+    from sdiree.compile.exporters.attention import set_attention
+
+    model = unet(False)
+    set_attention(model, "chunked")  # the cpu target's choice
+    transformer = model.down_blocks[0].attentions[0]
     x, e = torch.randn(2, 16, 8, 8), torch.randn(2, 5, 16)
     with torch.no_grad():
         want = transformer(x, e).sample
