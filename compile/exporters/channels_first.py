@@ -12,12 +12,13 @@ needs no transpose at all (the guided call's two images sit side by side along t
 
 Each block computes what diffusers' BasicTransformerBlock does (layer norms over channels,
 self-attention, cross-attention, GEGLU feed-forward, residuals). Attention alone stays tokens
-first, computed as the attention export choice says (cpu: `chunked`): channels first, every scores matmul would contract
-over the rows of both q and k, so one of them would be a transposed view, which iree 3.13 packs
-into a stack buffer inside the matmul's dispatch (over the 32 KiB limit at SD sizes) and ran
-2x slower (compile/NOTES.md). q, k and v are projected from the activation's transposed view,
-the attention's output projected back channels first. Transformers this does not cover
-(another norm or activation, patches, masks) keep diffusers' forward.
+first, computed as the attention export choice says (cpu: `chunked`): channels first, every
+scores matmul would contract over the rows of both q and k, so one of them would be a
+transposed view, which iree 3.13 packs into a stack buffer inside the matmul's dispatch (over
+the 32 KiB limit at SD sizes) and ran 2x slower (compile/NOTES.md). q, k and v are projected
+from the activation's transposed view, the attention's output projected back channels first.
+Transformers this does not cover (another norm or activation, patches, masks) keep diffusers'
+forward.
 """
 
 from __future__ import annotations
