@@ -4,9 +4,9 @@
 - `sdpa_pow2`: the fused op with the head dim zero-padded to a power of two (at least 64), the
   scale still that of the real dim, the padding sliced off after. iree 3.13's cuda and rocm
   codegen give the attention op matrix cores (NV_MMA_SYNC, MFMA, WMMA) only at head dims 64, 128
-  and 256 (and key counts that are multiples of 64): SD 1.5's 40, 80 and 160 ran on plain FMA lanes, 71 % of an fp16
-  UNet call's kernel time on an H200 (compile/NOTES.md). Zeros change neither the scores nor
-  the output.
+  and 256 (and key counts that are multiples of 64): SD 1.5's 40, 80 and 160 ran on plain FMA
+  lanes, 71 % of an fp16 UNet call's kernel time on an H200 (compile/NOTES.md). Zeros change
+  neither the scores nor the output.
 - `sdpa_pow2_keys`: `sdpa_pow2`, and key counts padded to a multiple of 64 with zero keys and
   values masked out (-30000 added to their scores), so that cross-attention's 77 text tokens
   get the tensor-core schedule too (iree's cuda configuration shows it). Not in any preset:
@@ -36,7 +36,8 @@ from __future__ import annotations
 import torch
 
 # Largest score block (one head's queries x keys, in bytes of the score dtype) a chunk may hold.
-# 16 MiB measured best on a Zen 8 MiB-L3 CPU (4-16 MiB all within noise; one 1 GB block 1.2x slower).
+# 16 MiB measured best on a Zen 8 MiB-L3 CPU (4-16 MiB all within noise; one 1 GB block 1.2x
+# slower).
 SCORE_BLOCK_BYTES = 16 << 20
 
 ATTENTIONS = ("sdpa", "sdpa_pow2", "sdpa_pow2_keys", "decomposed", "chunked")
