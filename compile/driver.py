@@ -19,8 +19,11 @@ between artifacts, the exported MLIR and the parameter archives, lives in one ca
 
 <cache> is `artifacts/<model>/` for the default --out (`artifacts/<model>/<target>-...`), and
 for an explicit --out `$SDIREE_CACHE/<model>/`, `$SDIREE_CACHE` defaulting to
-`${XDG_CACHE_HOME:-~/.cache}/sdiree`. Nothing else is written outside --out. Deleting the
-cache costs only the time to export again.
+`${XDG_CACHE_HOME:-~/.cache}/sdiree`. Beside the models' caches, in their parent folder, what
+models of one architecture share (compile/build_cache.py): exports, by the architecture, in
+`.exports/`, and compiled modules, by their MLIR, flags and specs, in `.modules/`; so a second
+SD 1.5 fine-tune writes and encodes its weights but neither exports nor runs iree-compile.
+Nothing else is written outside --out. Deleting the caches costs only the time to build again.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from sdiree.runtime.fileutil import (
 from sdiree.runtime.manifest import HASH_CACHE, MANIFEST_NAME, check_files, load_manifest
 from sdiree.runtime.weights.sources import file_sha256
 
+from .build_cache import BuildCache
 from .exporters import DERIVED_REVISION, EXPORTER_REVISION
 from .manifest_writer import build_manifest
 from .plan import (  # noqa: F401  (re-exported: callers import the compile API from here)
@@ -68,6 +72,13 @@ from .report import Reporter
 
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
 BUILD_STATE = ".build-state.json"
+CACHED = "compiled before for the same MLIR, flags and specs"
+# Config entries that say where, by which version or in which dtype a model's files were
+# written, not what it computes: the export casts the (placeholder) weights to its own dtype
+CONFIG_METADATA = (
+    "_name_or_path", "_diffusers_version", "transformers_version", "_commit_hash", "torch_dtype",
+    "dtype",
+)  # fmt: skip
 # How a full disk reads where it does not come as an OSError (iree's archive writer, iree-compile)
 _DISK_FULL = re.compile(r"no space left on device|out of disk space|disk quota exceeded", re.I)
 
@@ -97,24 +108,62 @@ class Builder:
         return self.plan.target.export_for(submodule, self.plan.dtype, self.plan.arch)
 
     def export_key(self, submodule: str) -> str:
+        return sha256_json({"model": self.model_hash, **self._export_inputs(submodule)})
+
+    def _export_inputs(self, submodule: str) -> dict:
+        """What submodule's export depends on besides the model."""
         p = self.plan
+        return {
+            "submodule": submodule,
+            "dtype": p.export_dtype,
+            "shape": [p.batch_size, p.height, p.width],
+            # more sizes (`--sizes`): the UNet's and VAE's entry functions for them
+            **(
+                {"sizes": [list(hw) for hw in p.extra_sizes]}
+                if p.extra_sizes and submodule != "text_encoder"
+                else {}
+            ),
+            # the VAE is exported at its tile size where it tiles
+            **({"vae_tile": p.vae_tile} if submodule.startswith("vae") and p.vae_tiled else {}),
+            "export": self.export_options(submodule),
+            "exporter_revision": EXPORTER_REVISION,
+            "versions": self.versions,
+        }
+
+    def architecture_key(self, submodule: str, xplan) -> str:
+        """The key of submodule's export in the export cache (compile/build_cache.py): the
+        same for every model of this architecture, whose export is the same MLIR. The model
+        enters by its configs (file metadata aside), its parameters' names, dtypes and shapes,
+        and the values of whatever the export sees that is not a shape-only placeholder."""
+        import hashlib
+
+        import torch
+
+        from .placeholders import is_placeholder
+
+        state = []
+        for name, t in xplan.params_module.state_dict(keep_vars=True).items():
+            value = None
+            if not is_placeholder(t):
+                raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+                value = hashlib.sha256(raw.tobytes()).hexdigest()
+            state.append([name, str(t.dtype), list(t.shape), value])
+        from .exporters import COMPONENTS
+
+        # the configs the submodule's exporter reads: the UNet's reads the text encoders' too
+        prefix = {"unet": ""}.get(COMPONENTS[submodule], COMPONENTS[submodule].removesuffix("_2"))
+        configs = {
+            c: {k: v for k, v in cfg.items() if k not in CONFIG_METADATA}
+            for c, cfg in self.plan.configs.items()
+            if c.startswith(prefix) and c not in ("scheduler", "tokenizer", "tokenizer_2")
+        }
         return sha256_json(
             {
-                "model": self.model_hash,
-                "submodule": submodule,
-                "dtype": p.export_dtype,
-                "shape": [p.batch_size, p.height, p.width],
-                # more sizes (`--sizes`): the UNet's and VAE's entry functions for them
-                **(
-                    {"sizes": [list(hw) for hw in p.extra_sizes]}
-                    if p.extra_sizes and submodule != "text_encoder"
-                    else {}
-                ),
-                # the VAE is exported at its tile size where it tiles
-                **({"vae_tile": p.vae_tile} if submodule.startswith("vae") and p.vae_tiled else {}),
-                "export": self.export_options(submodule),
-                "exporter_revision": EXPORTER_REVISION,
-                "versions": self.versions,
+                "export_cache": 1,
+                **self._export_inputs(submodule),
+                "family": self.plan.family.name,
+                "configs": configs,
+                "state": state,
             }
         )
 
@@ -141,7 +190,9 @@ class Builder:
         """Every directory compile writes into, where a killed compile may have left temps."""
         out, shared = self.plan.out, self.plan.shared
         return [out, out / "tokenizer", out / "scheduler", shared, shared / "mlir"] + [
-            self.params_dir()
+            self.params_dir(),
+            self.modules.dir,
+            self.exports.dir,
         ]
 
     # -- torch side, loaded only when something must be exported -------------------------
@@ -210,11 +261,17 @@ class Builder:
 
         path.parent.mkdir(parents=True, exist_ok=True)
         xplan = self.export_plan(submodule)
+        parts = {"mlirbc": path, "json": self.signature_path(submodule)}
+        key = self.architecture_key(submodule, xplan)
+        if self.exports.fetch(key, parts) is not None:
+            self.r.reused("export", submodule, "exported before for a model of this architecture")
+            return path
         with self.r.stage("export", submodule):
             with atomic_path(path) as tmp:
                 export_to_mlir(xplan, tmp)
             sidecar = {"functions": xplan.signature_json(), "derived": xplan.derived}
             atomic_write_json(self.signature_path(submodule), sidecar)
+        self.exports.store(key, parts)
         return path
 
     def signature_path(self, submodule: str) -> Path:
@@ -361,7 +418,8 @@ class Builder:
             res["params"] = [(p, changed.get(p, sha)) for p, sha in res["params"]]
         return {p.name: p for p in changed if p.suffix == ".json"}
 
-    def compile_key(self, submodule: str, mlir: Path, params_shas: list[str]) -> str:
+    def _compile_inputs(self, submodule: str, mlir: Path) -> dict:
+        """What iree-compile's output (the module and its parameter encoder) depends on."""
         flags, specs = flags_for(self.plan, submodule)
         key = {
             "mlir": sha256_file(mlir),
@@ -369,11 +427,33 @@ class Builder:
             "specs": specs,
             "compiler": self.versions["iree-base-compiler"],
         }
+        if self.plan.target.encode_parameters and self.plan.target.encoder_driver:
+            key["encoder"] = [self.plan.target.encoder_driver, *self.plan.target.encoder_flags]
+        return key
+
+    def compile_key(self, submodule: str, mlir: Path, params_shas: list[str]) -> str:
+        key = self._compile_inputs(submodule, mlir)
         if self.plan.target.encode_parameters:
             key["encoded_from"] = params_shas  # the encoded archive is computed from these
-            if self.plan.target.encoder_driver:
-                key["encoder"] = [self.plan.target.encoder_driver, *self.plan.target.encoder_flags]
         return sha256_json(key)
+
+    def module_key(self, submodule: str, mlir: Path) -> str:
+        """The key of submodule's compiled module in the module cache (compile/module_cache.py):
+        the same for every model whose export gives the same MLIR."""
+        encoded = self.plan.target.encode_parameters
+        return sha256_json(
+            {"module_cache": 1, "encoded": encoded, **self._compile_inputs(submodule, mlir)}
+        )
+
+    @property
+    def modules(self) -> BuildCache:
+        """Compiled modules shared by every model and artifact (compile/build_cache.py)."""
+        return BuildCache(self.plan.shared.parent, "modules")
+
+    @property
+    def exports(self) -> BuildCache:
+        """Exports shared by every model of an architecture (compile/build_cache.py)."""
+        return BuildCache(self.plan.shared.parent, "exports")
 
     def ensure_vmfb(
         self, submodule: str, mlir: Path, params: list[tuple[Path, str]], state: dict
@@ -402,11 +482,15 @@ class Builder:
         entry = {"compile_key": key, "flags": flags, "tuning_specs": specs}
         spec = embedded_spec(self.plan, submodule)
         if not self.plan.target.encode_parameters:
-            with self.r.stage("compile", submodule), with_spec(mlir, spec, out) as src:
-                compile_mlir(src, vmfb, flags, log)
+            mkey = self.module_key(submodule, mlir)
+            if self.modules.fetch(mkey, {"vmfb": vmfb}) is not None:
+                self.r.reused("compile", submodule, CACHED)
+            else:
+                with self.r.stage("compile", submodule), with_spec(mlir, spec, out) as src:
+                    compile_mlir(src, vmfb, flags, log)
+                self.modules.store(mkey, {"vmfb": vmfb})
         else:
-            with with_spec(mlir, spec, out) as src:
-                entry["encoded"] = self.compile_encoded(submodule, src, archives, flags, log)
+            entry["encoded"] = self.compile_encoded(submodule, mlir, spec, archives, flags, log)
         entry["vmfb_sha256"] = sha256_file(vmfb)
         state[submodule] = entry
         atomic_write_json(self.plan.out / BUILD_STATE, state)  # a stop in the layout resumes there
@@ -437,7 +521,7 @@ class Builder:
         return path.is_file() and cached_sha256(path, path.name, self.verified) == digest
 
     def compile_encoded(
-        self, submodule: str, mlir: Path, archives: list[Path], flags: list[str], log: Path
+        self, submodule: str, mlir: Path, spec, archives: list[Path], flags: list[str], log: Path
     ) -> dict | None:
         """Compile submodule with its weight transforms split into an encoder module, run that
         once, and keep its output beside the vmfb (`<submodule>.encoded.irpa`). The encoder is
@@ -450,6 +534,7 @@ class Builder:
         from .exporters import scope_for
         from .iree_compile import compile_mlir
         from .param_encoder import encoder_flags, loads_with, run_encoder
+        from .tuning_embed import with_spec
 
         out = self.plan.out
         vmfb = out / f"{submodule}.vmfb"
@@ -458,15 +543,28 @@ class Builder:
         scope = f"{submodule}_encoded"
         enc_mlir = temp_path_for(out / f"{submodule}.encoder.mlir")
         enc_vmfb = temp_path_for(encoder)
+        mkey = self.module_key(submodule, mlir)
         try:
-            with self.r.stage("compile", submodule):
-                compile_mlir(mlir, vmfb, [*flags, *encoder_flags(enc_mlir, scope)], log)
-            if not enc_mlir.is_file():
+            cached = self.modules.fetch(mkey, {"vmfb": vmfb, "encoder": enc_vmfb})
+            if cached is not None:
+                self.r.reused("compile", submodule, CACHED)
+                has_encoder = "encoder" in cached
+            else:
+                with self.r.stage("compile", submodule), with_spec(mlir, spec, out) as src:
+                    compile_mlir(src, vmfb, [*flags, *encoder_flags(enc_mlir, scope)], log)
+                has_encoder = enc_mlir.is_file()
+                if not has_encoder:
+                    self.modules.store(mkey, {"vmfb": vmfb})
+            if not has_encoder:
                 encoded.unlink(missing_ok=True)
                 encoder.unlink(missing_ok=True)
                 return None
             with self.r.stage("encode", submodule):
-                compile_encoder(enc_mlir, enc_vmfb, self.encoder_flags(flags), log, compile_mlir)
+                if not enc_vmfb.is_file():
+                    compile_encoder(
+                        enc_mlir, enc_vmfb, self.encoder_flags(flags), log, compile_mlir
+                    )
+                    self.modules.store(mkey, {"vmfb": vmfb, "encoder": enc_vmfb})
                 count = run_encoder(
                     enc_vmfb,
                     [(scope_for(submodule), a) for a in archives],
@@ -643,7 +741,9 @@ def _disk_full_is_user_error(plan: Plan) -> Iterator[None]:
             raise
         if not isinstance(e, OSError) and not _DISK_FULL.search(str(e)):
             raise
-        where = Path(e.filename).parent if getattr(e, "filename", None) else plan.out
+        # a copy that fails names its source first and the file it was writing second
+        written = getattr(e, "filename2", None) or getattr(e, "filename", None)
+        where = Path(written).parent if written else plan.out
         probe = where
         while not probe.exists():
             probe = probe.parent

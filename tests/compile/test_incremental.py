@@ -112,13 +112,19 @@ def _state(out: Path) -> dict:
         return {}
 
 
-def test_killed_compile_leaves_no_manifest_and_resumes(compiled):
+def test_killed_compile_leaves_no_manifest_and_resumes(compiled, tmp_path):
     # lavapipe: its shared MLIR and parameters exist, and its modules compile faster than cpu's
     compiled.get("vulkan-spirv", "lavapipe", "fp32")
     out = compiled.out_dir("vulkan-spirv", "lavapipe", "fp32").parent / "vulkan-killed"
+    # a UNet flag no other compile has: its module is not in the module cache, so it compiles
+    specs = _specs_copy(tmp_path)
+    reg = json.loads((specs / "targets.json").read_text())
+    reg["targets"]["vulkan-spirv"]["submodule_flags"]["unet"] = ["--iree-opt-strip-assertions"]
+    (specs / "targets.json").write_text(json.dumps(reg))
     proc = subprocess.Popen(
         [sys.executable, "-m", "sdiree.runtime.cli", "compile", str(compiled.model),
-         "--target", "vulkan-spirv", "--arch", "lavapipe", "--dtype", "fp32", "--out", str(out)],
+         "--target", "vulkan-spirv", "--arch", "lavapipe", "--dtype", "fp32", "--out", str(out),
+         "--specs", str(specs)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     deadline = time.time() + 600
@@ -136,7 +142,7 @@ def test_killed_compile_leaves_no_manifest_and_resumes(compiled):
         if not vmfb.name.startswith("."):
             rt.VmModule.mmap(rt.VmInstance(), str(vmfb))
 
-    ran, log = recompile(compiled.model, out, target="vulkan-spirv", arch="lavapipe")
+    ran, log = recompile(compiled.model, out, specs, target="vulkan-spirv", arch="lavapipe")
     assert ("compile", "text_encoder") not in ran  # finished work is kept
     assert ("compile", "unet") in ran
     assert not [p for p in out.iterdir() if ".tmp" in p.name], "stale temp files left behind"

@@ -101,7 +101,9 @@ def test_copied_artifact_runs_without_the_original_or_the_cache(compiled, compil
     assert files_under(compiled.model) == model_before
     home_after = files_under(home)
     written = {f for f, v in home_after.items() if home_before.get(f) != v}
-    assert all(f.startswith(".cache/sdiree/tiny-sd/") for f in written), sorted(written)
+    documented = (".cache/sdiree/tiny-sd/", ".cache/sdiree/.modules/", ".cache/sdiree/.exports/")
+    assert all(f.startswith(documented) for f in written), sorted(written)
+    assert any(f.startswith(".cache/sdiree/.modules/") for f in written)  # modules compiled
 
     # every path in the manifest is inside the artifact; the shared archives are hardlinks,
     # except those the compile pruned to what the encoded archives lack (compile/prune.py)
