@@ -139,6 +139,7 @@ class Builder:
 
         import torch
 
+        from .exporters import COMPONENTS
         from .placeholders import is_placeholder
 
         state = []
@@ -148,8 +149,6 @@ class Builder:
                 raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
                 value = hashlib.sha256(raw.tobytes()).hexdigest()
             state.append([name, str(t.dtype), list(t.shape), value])
-        from .exporters import COMPONENTS
-
         # the configs the submodule's exporter reads: the UNet's reads the text encoders' too
         prefix = {"unet": ""}.get(COMPONENTS[submodule], COMPONENTS[submodule].removesuffix("_2"))
         configs = {
@@ -438,7 +437,7 @@ class Builder:
         return sha256_json(key)
 
     def module_key(self, submodule: str, mlir: Path) -> str:
-        """The key of submodule's compiled module in the module cache (compile/module_cache.py):
+        """The key of submodule's compiled module in the module cache (compile/build_cache.py):
         the same for every model whose export gives the same MLIR."""
         encoded = self.plan.target.encode_parameters
         return sha256_json(
@@ -560,7 +559,7 @@ class Builder:
                 encoder.unlink(missing_ok=True)
                 return None
             with self.r.stage("encode", submodule):
-                if not enc_vmfb.is_file():
+                if cached is None:  # compiled just now: its encoder too
                     compile_encoder(
                         enc_mlir, enc_vmfb, self.encoder_flags(flags), log, compile_mlir
                     )
