@@ -431,18 +431,18 @@ class Builder:
         return key
 
     def compile_key(self, submodule: str, mlir: Path, params_shas: list[str]) -> str:
-        key = self._compile_inputs(submodule, mlir)
-        if self.plan.target.encode_parameters:
-            key["encoded_from"] = params_shas  # the encoded archive is computed from these
-        return sha256_json(key)
+        return self.compile_keys(submodule, mlir, params_shas)[0]
 
-    def module_key(self, submodule: str, mlir: Path) -> str:
-        """The key of submodule's compiled module in the module cache (compile/build_cache.py):
-        the same for every model whose export gives the same MLIR."""
+    def compile_keys(self, submodule: str, mlir: Path, params_shas: list[str]) -> tuple[str, str]:
+        """(the artifact's compile key, recorded in its build state; the key of the compiled
+        module in the module cache (compile/build_cache.py), the same for every model whose
+        export gives the same MLIR), from one hash of the MLIR."""
+        key = self._compile_inputs(submodule, mlir)
         encoded = self.plan.target.encode_parameters
-        return sha256_json(
-            {"module_cache": 1, "encoded": encoded, **self._compile_inputs(submodule, mlir)}
-        )
+        module_key = sha256_json({"module_cache": 1, "encoded": encoded, **key})
+        if encoded:
+            key["encoded_from"] = params_shas  # the encoded archive is computed from these
+        return sha256_json(key), module_key
 
     @property
     def modules(self) -> BuildCache:
@@ -461,7 +461,7 @@ class Builder:
         from .tuning_embed import with_spec
 
         flags, specs = flags_for(self.plan, submodule)
-        key = self.compile_key(submodule, mlir, [sha for _, sha in params])
+        key, mkey = self.compile_keys(submodule, mlir, [sha for _, sha in params])
         out = self.plan.out
         vmfb = out / f"{submodule}.vmfb"
         encoded = out / f"{submodule}.encoded.irpa"
@@ -481,7 +481,6 @@ class Builder:
         entry = {"compile_key": key, "flags": flags, "tuning_specs": specs}
         spec = embedded_spec(self.plan, submodule)
         if not self.plan.target.encode_parameters:
-            mkey = self.module_key(submodule, mlir)
             if self.modules.fetch(mkey, {"vmfb": vmfb}) is not None:
                 self.r.reused("compile", submodule, CACHED)
             else:
@@ -489,7 +488,9 @@ class Builder:
                     compile_mlir(src, vmfb, flags, log)
                 self.modules.store(mkey, {"vmfb": vmfb})
         else:
-            entry["encoded"] = self.compile_encoded(submodule, mlir, spec, archives, flags, log)
+            entry["encoded"] = self.compile_encoded(
+                submodule, mlir, mkey, spec, archives, flags, log
+            )
         entry["vmfb_sha256"] = sha256_file(vmfb)
         state[submodule] = entry
         atomic_write_json(self.plan.out / BUILD_STATE, state)  # a stop in the layout resumes there
@@ -520,7 +521,14 @@ class Builder:
         return path.is_file() and cached_sha256(path, path.name, self.verified) == digest
 
     def compile_encoded(
-        self, submodule: str, mlir: Path, spec, archives: list[Path], flags: list[str], log: Path
+        self,
+        submodule: str,
+        mlir: Path,
+        mkey: str,
+        spec,
+        archives: list[Path],
+        flags: list[str],
+        log: Path,
     ) -> dict | None:
         """Compile submodule with its weight transforms split into an encoder module, run that
         once, and keep its output beside the vmfb (`<submodule>.encoded.irpa`). The encoder is
@@ -542,7 +550,6 @@ class Builder:
         scope = f"{submodule}_encoded"
         enc_mlir = temp_path_for(out / f"{submodule}.encoder.mlir")
         enc_vmfb = temp_path_for(encoder)
-        mkey = self.module_key(submodule, mlir)
         try:
             cached = self.modules.fetch(mkey, {"vmfb": vmfb, "encoder": enc_vmfb})
             if cached is not None:
