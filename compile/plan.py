@@ -361,13 +361,12 @@ def _check_writable(out: Path, what: str = "", fix: str = "choose another --out"
 
 def tuning_spec(plan: Plan, submodule: str) -> tuple[str, Path] | None:
     """(registry-relative path, file) of the tuning spec a submodule compiles with, if any: the
-    arch preset's, else the target's (a submodule's own entry before "*")."""
+    arch preset's, else the dtype's, else the target's (a submodule's own entry before "*")."""
     t = plan.target
     arch = t.arch(plan.arch)
-    rel = next(
-        (m[k] for m in (arch.tuning_specs, t.tuning_specs) for k in (submodule, "*") if k in m),
-        None,
-    )
+    opt = t.dtype_options.get(plan.dtype)
+    maps = (arch.tuning_specs, opt.tuning_specs if opt else {}, t.tuning_specs)
+    rel = next((m[k] for m in maps for k in (submodule, "*") if k in m), None)
     if rel is None:
         return None
     spec = plan.registry.spec_path(rel)

@@ -1,4 +1,4 @@
-"""Attach a tuning spec to an MLIR module, for targets whose pipeline takes no spec flag.
+"""Attach a tuning spec to an MLIR module, for targets whose spec flag is unusable.
 
 iree 3.13's SPIR-V pipeline does not read `--iree-codegen-tuning-spec-path`. It reads
 `--iree-codegen-transform-dialect-library`, but loading that library deadlocks a multithreaded
@@ -7,7 +7,9 @@ lets the same worker thread pick up another executable's configuration pass, whi
 the lock forever (seen on the tiny UNet for ampere; compile/NOTES.md). The pipeline also reads a
 spec serialized into the module as `iree_codegen.tuning_spec_mlirbc`, on the executable's module
 or any parent, and parses it without that lock: this writes a copy of the module with the spec
-attached to its top level, which then holds for every executable.
+attached to its top level, which then holds for every executable. llvm-cpu reads
+`--iree-codegen-tuning-spec-path` through the same loader and hung the same way (the tiny
+model's bf16 text encoder), so the cpu target embeds its spec too.
 """
 
 from __future__ import annotations

@@ -61,6 +61,8 @@ class DtypeOption:
     submodule_export: dict[str, dict] = field(default_factory=dict)
     # {cpu feature: note} said at compile when the arch's CPU has it (e.g. bf16 slower there)
     notes_if_cpu_has: dict[str, str] = field(default_factory=dict)
+    # {submodule or "*": spec} for this dtype, before the target's (an arch preset's come first)
+    tuning_specs: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -256,6 +258,7 @@ DTYPE_OPTION_FIELDS = {
     "submodule_flags": "flag_map",
     "submodule_export": "obj_map",
     "notes_if_cpu_has": "str_map",
+    "tuning_specs": "str_map",
 }
 # Export choices (compile/exporters: ATTENTIONS, CONV_CHOICES; runtime stays torch-free, so
 # they are repeated here and a test keeps them equal).
@@ -387,6 +390,9 @@ def check_registry(data: dict, path: Path) -> None:
             c.names([opt["export_dtype"]], DTYPES, f"{wd}.export_dtype", "dtype")
             c.names(opt.get("submodule_flags", {}), submodules, wd, "submodule")
             c.names(opt.get("submodule_export", {}), submodules, wd, "submodule")
+            c.names(
+                opt.get("tuning_specs", {}), [*submodules, "*"], f"{wd}.tuning_specs", "submodule"
+            )
             for sub, choices in opt.get("submodule_export", {}).items():
                 at = f"{wd}.submodule_export.{sub}"
                 c.export(choices, at, unet=sub == "unet", nullable=True)
@@ -478,6 +484,7 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
                     submodule_flags=_tuples(o.get("submodule_flags", {})),
                     submodule_export=dict(o.get("submodule_export", {})),
                     notes_if_cpu_has=dict(o.get("notes_if_cpu_has", {})),
+                    tuning_specs=dict(o.get("tuning_specs", {})),
                 )
                 for d, o in t.get("dtype_options", {}).items()
             },
