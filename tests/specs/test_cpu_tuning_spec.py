@@ -27,14 +27,35 @@ MARKER = "__tuning_spec_applied__"
 SPEC_REL = "tuning/cpu_bf16_packs.mlir"
 SUBMODULES = ("text_encoder", "unet", "vae_decoder", "vae_encoder")
 
-# The softmax of attention's scores, then P.V: iree fuses the max, the exp and the bf16
-# conversion of P and its pack into one dispatch rooted at the max.
-SOFTMAX = """
+MAPS = """
 #map = affine_map<(d0, d1) -> (d0, d1)>
 #row = affine_map<(d0, d1) -> (d0)>
+"""
+# exp(s - m) over rows, then (that) @ v: the tail of both forms below.
+EXP_THEN_MATMUL = """
+  %zero = arith.constant 0.0 : f32
+  %e0 = tensor.empty() : tensor<256x512xf32>
+  %e = linalg.generic {indexing_maps = [#map, #row, #map], iterator_types = ["parallel", "parallel"]}
+      ins(%s, %m : tensor<256x512xf32>, tensor<256xf32>) outs(%e0 : tensor<256x512xf32>) {
+  ^bb0(%a: f32, %b: f32, %o: f32):
+    %d = arith.subf %a, %b : f32
+    %x = math.exp %d : f32
+    linalg.yield %x : f32
+  } -> tensor<256x512xf32>
+  %r0 = tensor.empty() : tensor<256x48xf32>
+  %z = linalg.fill ins(%zero : f32) outs(%r0 : tensor<256x48xf32>) -> tensor<256x48xf32>
+  %r = linalg.matmul ins(%e, %v : tensor<256x512xf32>, tensor<512x48xf32>)
+      outs(%z : tensor<256x48xf32>) -> tensor<256x48xf32>
+  return %r : tensor<256x48xf32>
+}
+"""
+# The softmax of attention's scores, then P.V: iree fuses the max, the exp and the bf16
+# conversion of P and its pack into one dispatch rooted at the max.
+SOFTMAX = (
+    MAPS
+    + """
 func.func @main(%s: tensor<256x512xf32>, %v: tensor<512x48xf32>) -> tensor<256x48xf32> {
   %ninf = arith.constant 0xFF800000 : f32
-  %zero = arith.constant 0.0 : f32
   %m0 = tensor.empty() : tensor<256xf32>
   %mi = linalg.fill ins(%ninf : f32) outs(%m0 : tensor<256xf32>) -> tensor<256xf32>
   %m = linalg.generic {indexing_maps = [#map, #row], iterator_types = ["parallel", "reduction"]}
@@ -42,46 +63,18 @@ func.func @main(%s: tensor<256x512xf32>, %v: tensor<512x48xf32>) -> tensor<256x4
   ^bb0(%a: f32, %o: f32):
     %x = arith.maximumf %a, %o : f32
     linalg.yield %x : f32
-  } -> tensor<256xf32>
-  %e0 = tensor.empty() : tensor<256x512xf32>
-  %e = linalg.generic {indexing_maps = [#map, #row, #map], iterator_types = ["parallel", "parallel"]}
-      ins(%s, %m : tensor<256x512xf32>, tensor<256xf32>) outs(%e0 : tensor<256x512xf32>) {
-  ^bb0(%a: f32, %b: f32, %o: f32):
-    %d = arith.subf %a, %b : f32
-    %x = math.exp %d : f32
-    linalg.yield %x : f32
-  } -> tensor<256x512xf32>
-  %r0 = tensor.empty() : tensor<256x48xf32>
-  %z = linalg.fill ins(%zero : f32) outs(%r0 : tensor<256x48xf32>) -> tensor<256x48xf32>
-  %r = linalg.matmul ins(%e, %v : tensor<256x512xf32>, tensor<512x48xf32>)
-      outs(%z : tensor<256x48xf32>) -> tensor<256x48xf32>
-  return %r : tensor<256x48xf32>
-}
-"""
-
+  } -> tensor<256xf32>"""
+    + EXP_THEN_MATMUL
+)
 # An elementwise root that packs a bf16 operand (as GEGLU's product feeding the next linear):
-# a row's shift given as an input keeps it 2-D (iree flattens a plain elementwise op to 1-D).
-ELEMENTWISE = """
-#map = affine_map<(d0, d1) -> (d0, d1)>
-#row = affine_map<(d0, d1) -> (d0)>
+# the rows' shift given as an input keeps it 2-D (iree flattens a plain elementwise op to 1-D).
+ELEMENTWISE = (
+    MAPS
+    + """
 func.func @main(%s: tensor<256x512xf32>, %m: tensor<256xf32>, %v: tensor<512x48xf32>)
-    -> tensor<256x48xf32> {
-  %zero = arith.constant 0.0 : f32
-  %e0 = tensor.empty() : tensor<256x512xf32>
-  %e = linalg.generic {indexing_maps = [#map, #row, #map], iterator_types = ["parallel", "parallel"]}
-      ins(%s, %m : tensor<256x512xf32>, tensor<256xf32>) outs(%e0 : tensor<256x512xf32>) {
-  ^bb0(%a: f32, %b: f32, %o: f32):
-    %d = arith.subf %a, %b : f32
-    %x = math.exp %d : f32
-    linalg.yield %x : f32
-  } -> tensor<256x512xf32>
-  %r0 = tensor.empty() : tensor<256x48xf32>
-  %z = linalg.fill ins(%zero : f32) outs(%r0 : tensor<256x48xf32>) -> tensor<256x48xf32>
-  %r = linalg.matmul ins(%e, %v : tensor<256x512xf32>, tensor<512x48xf32>)
-      outs(%z : tensor<256x48xf32>) -> tensor<256x48xf32>
-  return %r : tensor<256x48xf32>
-}
-"""
+    -> tensor<256x48xf32> {"""
+    + EXP_THEN_MATMUL
+)
 
 
 def reference(s: np.ndarray, v: np.ndarray) -> np.ndarray:
