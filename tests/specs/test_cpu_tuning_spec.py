@@ -22,8 +22,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 from make_cpu_tuning_spec import SPEC, generate  # noqa: E402
+from test_tuning_specs import MARKER, configurations  # noqa: E402
 
-MARKER = "__tuning_spec_applied__"
 SPEC_REL = "tuning/cpu_bf16_packs.mlir"
 SUBMODULES = ("text_encoder", "unet", "vae_decoder", "vae_encoder")
 
@@ -122,17 +122,6 @@ def iree_compile(src: Path, out: Path, flags: list[str], *more: str, spec: bool)
     cmd = [iree_compile_tool(), str(src), "-o", str(out), *flags, *more]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-
-
-def configurations(dump: Path) -> dict[str, str]:
-    """{dispatch function name: its configured source} from a configuration dump."""
-    out = {}
-    for f in dump.glob("*.mlir"):
-        text = f.read_text()
-        m = re.search(r"func\.func @(\S+)\(", text)
-        if m:
-            out[m.group(1)] = text
-    return out
 
 
 def producer_k_tiles(text: str) -> set[int]:
