@@ -103,25 +103,74 @@ def winograd_weight(weight: torch.Tensor, m: int = WINOGRAD_TILE) -> torch.Tenso
 
 
 def conv2d_winograd(conv: torch.nn.Conv2d, x: torch.Tensor, m: int = WINOGRAD_TILE):
-    """A 3x3, stride 1, padding 1 convolution as Winograd F(m x m, 3x3): (m+2)^2 batched
-    matmuls over the tiles; anything else falls back to conv2d_as_matmul."""
+    """A 3x3, stride 1, padding 1 convolution as Winograd F(m x m, 3x3): (m+2)^2 matmuls over
+    the tiles; anything else falls back to conv2d_as_matmul. F(2x2) runs one matmul per tile
+    element (`_winograd_split`), F(4x4) one batched matmul (`_winograd_batched`)."""
     if not winograd_applies(conv, x, m):
         return conv2d_as_matmul(conv, x)
-    bt, g, at = WINOGRAD[m]
+    u = getattr(conv, WINOGRAD_PARAM, None)
+    if u is None:
+        u = winograd_weight(conv.weight, m)
+    xp = F.pad(x.permute(0, 2, 3, 1), (0, 0, 1, 1, 1, 1))  # [N, H+2, W+2, C]
+    lowering = _winograd_split if m == 2 else _winograd_batched
+    y = lowering(xp, u, m)  # [N, H, W, O]
+    if conv.bias is not None:
+        y = y + conv.bias
+    return y.permute(0, 3, 1, 2)
+
+
+def _winograd_split(xp: torch.Tensor, u: torch.Tensor, m: int) -> torch.Tensor:
+    """Winograd over the padded channels-last input xp as (m+2)^2 separate matmuls, one per
+    tile element (r, s): V_rs = (B^T d B)_rs of every tile, then V_rs @ U_rs. Each V_rs is an
+    elementwise op on strided slices of one row transform, which iree fuses into the packing
+    of its matmul's operand (with bf16 operands, the conversion too); a batched matmul needs
+    all V_rs stacked first: whole-tensor copies, and a bf16 conversion iree flattens to 1-D and
+    packs element by element. One 320-channel 64² conv (batch 2): bf16 101 -> 41 ms, fp32
+    129 -> 55 ms (tools/PERFORMANCE.md, nineteenth session). The inverse transform runs by
+    columns then rows, so no op reads more than m+2 products (F(4x4)'s one-step form overran
+    llvm-cpu's stack limit)."""
+    bt, _, at = WINOGRAD[m]
     t = m + 2
-    n, c, h, w = x.shape
-    o = conv.weight.shape[0]
-    th, tw = h // m, w // m
-    xp = F.pad(x.permute(0, 2, 3, 1), (0, 0, 1, 1, 1, 1))
+    n, hp, wp, c = xp.shape
+    th, tw = (hp - 2) // m, (wp - 2) // m
+    o = u.shape[-1]
+    rows = [xp[:, i : i + m * th : m] for i in range(t)]  # tile row i: [N, th, W+2, C]
+    prods = []  # M_rs: [N·th·tw, O], r-major
+    for r in range(t):
+        bd = _combine(bt[r], rows)
+        cols = [bd[:, :, j : j + m * tw : m] for j in range(t)]
+        for s in range(t):
+            v = _combine(bt[s], cols)
+            prods.append(torch.mm(v.reshape(n * th * tw, c), u[r * t + s]))
+    half = [[_combine(at[b], prods[r * t : (r + 1) * t]) for b in range(m)] for r in range(t)]
+    y = torch.stack(
+        [
+            torch.stack(
+                [_combine(at[a], [h[b] for h in half]).reshape(n, th, tw, o) for b in range(m)],
+                dim=3,
+            )
+            for a in range(m)
+        ],
+        dim=2,
+    )  # [N, th, m(a), tw, m(b), O]: output pixel (m*ty + a, m*tx + b)
+    return y.reshape(n, th * m, tw * m, o)
+
+
+def _winograd_batched(xp: torch.Tensor, u: torch.Tensor, m: int) -> torch.Tensor:
+    """Winograd over the padded channels-last input xp as one batched matmul over the (m+2)^2
+    tile elements, transforms on whole stacked tensors. F(4x4) keeps this form: split, its
+    inverse transform fused into the matmuls overran llvm-cpu's stack limit in fp32."""
+    bt, _, at = WINOGRAD[m]
+    t = m + 2
+    n, hp, wp, c = xp.shape
+    th, tw = (hp - 2) // m, (wp - 2) // m
+    o = u.shape[-1]
     # B^T d B over all tiles at once, one axis at a time on whole tensors (few traced ops: the
     # export's time grows with their number). Input row i of every tile row: [N, th, W+2, C].
     rows = [xp[:, i : i + m * th : m] for i in range(t)]
     bd = torch.stack([_combine(bt[r], rows) for r in range(t)])
     cols = [bd[:, :, :, j : j + m * tw : m] for j in range(t)]  # [t(r), N, th, tw, C]
     v = torch.stack([_combine(bt[s], cols) for s in range(t)], dim=1)  # [t(r), t(s), N, th, tw, C]
-    u = getattr(conv, WINOGRAD_PARAM, None)
-    if u is None:
-        u = winograd_weight(conv.weight, m)
     prod = torch.bmm(v.reshape(t * t, n * th * tw, c), u).reshape(t, t, n, th, tw, o)
     # A^T M A: over the tile columns s, then the rows r.
     by_col = [prod[:, s] for s in range(t)]
@@ -129,10 +178,7 @@ def conv2d_winograd(conv: torch.nn.Conv2d, x: torch.Tensor, m: int = WINOGRAD_TI
     by_row = [half[r] for r in range(t)]
     y = torch.stack([_combine(at[a], by_row) for a in range(m)])  # [m(a), m(b), N, th, tw, O]
     # y[a][b][n, ty, tx, o] is output pixel (m*ty + a, m*tx + b)
-    y = y.permute(2, 3, 0, 4, 1, 5).reshape(n, h, w, o)
-    if conv.bias is not None:
-        y = y + conv.bias
-    return y.permute(0, 3, 1, 2)
+    return y.permute(2, 3, 0, 4, 1, 5).reshape(n, th * m, tw * m, o)
 
 
 def conv1x1_as_einsum(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
