@@ -1,10 +1,11 @@
-"""The F(2x2,3x3) Winograd export as one matmul per tile element: what iree-compile makes of it.
+"""The Winograd export as one matmul per tile element: what iree-compile makes of it.
 
 Exported as a batched matmul, the transformed tiles were stacked (whole-tensor copies) and their
 bf16 conversion flattened to 1-D and packed element by element; split, each tile element's
 input transform is one dispatch that also converts and packs its matmul's operand. Checked on one
-small convolution compiled with the cpu target's own bf16 flags and spec, from the compiler's
-dispatch names, and its result against a float64 convolution.
+small convolution compiled with the cpu target's own flags (and bf16's spec), for each inverse
+transform (`winograd_output`), from the compiler's dispatch names, and its result against a
+float64 convolution.
 """
 
 from __future__ import annotations
@@ -27,28 +28,37 @@ N, C, SIDE = 2, 32, 16
 
 
 class _Conv(torch.nn.Module):
-    def __init__(self, conv: torch.nn.Conv2d, m: int):
+    def __init__(self, conv: torch.nn.Conv2d, m: int, output: str):
         super().__init__()
-        self.conv, self.m = conv, m
+        self.conv, self.m, self.output = conv, m, output
 
     def forward(self, x):
-        return conv2d_winograd(self.conv, x, self.m)
+        return conv2d_winograd(self.conv, x, self.m, self.output)
 
 
-def _traced_ops(m: int) -> list[str]:
+def _traced_ops(m: int, output: str) -> list[str]:
     conv = torch.nn.Conv2d(C, C, 3, padding=1)
     add_winograd_weights(conv, m)
-    ep = torch.export.export(_Conv(conv, m), (torch.randn(N, C, SIDE, SIDE),))
+    ep = torch.export.export(_Conv(conv, m, output), (torch.randn(N, C, SIDE, SIDE),))
     return [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
 
 
-def test_f2x2_is_one_matmul_per_tile_element_f4x4_one_batched():
-    f2, f4 = _traced_ops(2), _traced_ops(4)
-    assert sum("aten.mm" in t for t in f2) == 16 and not any("bmm" in t for t in f2)
-    assert sum("aten.bmm" in t for t in f4) == 1 and not any("aten.mm" in t for t in f4)
+@pytest.mark.parametrize("m,output", [(2, "interleaved"), (2, "batched"), (4, "batched")])
+def test_one_matmul_per_tile_element(m, output):
+    ops = _traced_ops(m, output)
+    assert sum("aten.mm" in t for t in ops) == (m + 2) ** 2 and not any("bmm" in t for t in ops)
 
 
-def _compile(tmp_path: Path, dtype: str) -> tuple[Path, list[str], np.ndarray, np.ndarray]:
+def test_interleaved_inverse_is_f2x2_only():
+    """F(4x4) takes the batched inverse whatever is asked (its interleaved one overran
+    llvm-cpu's stack limit), F(2x2) the one asked."""
+    assert _traced_ops(4, "interleaved") == _traced_ops(4, "batched")
+    assert _traced_ops(2, "interleaved") != _traced_ops(2, "batched")
+
+
+def _compile(
+    tmp_path: Path, dtype: str, m: int, output: str
+) -> tuple[Path, list[str], np.ndarray, np.ndarray]:
     from iree.turbine import aot
 
     from sdiree.compile.iree_compile import iree_compile_tool
@@ -58,13 +68,13 @@ def _compile(tmp_path: Path, dtype: str) -> tuple[Path, list[str], np.ndarray, n
 
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(C, C, 3, padding=1)
-    add_winograd_weights(conv, 2)
+    add_winograd_weights(conv, m)
     x = torch.randn(N, C, SIDE, SIDE)
     ref = torch.nn.functional.conv2d(
         x.double(), conv.weight.double(), conv.bias.double(), padding=1
     )
     src = tmp_path / "conv.mlir"
-    aot.export(_Conv(conv, 2), x).save_mlir(src)
+    aot.export(_Conv(conv, m, output), x).save_mlir(src)
     registry = load_registry()
     cpu = registry.target("cpu")
     plan = SimpleNamespace(target=cpu, arch="host", dtype=dtype, registry=registry)
@@ -95,10 +105,18 @@ def _run(vmfb: Path, x: np.ndarray) -> np.ndarray:
     return np.asarray(ctx.modules.module.main(x))
 
 
-@pytest.mark.parametrize("dtype,tol", [("bf16", 2e-2), ("fp32", 1e-5)])
-def test_split_winograd_fuses_transform_conversion_and_pack(tmp_path, dtype, tol):
-    vmfb, names, x, ref = _compile(tmp_path, dtype)
-    th = SIDE // 2
+@pytest.mark.parametrize(
+    "dtype,m,output,tol",
+    [
+        ("bf16", 2, "interleaved", 2e-2),  # the cpu UNet's
+        ("bf16", 2, "batched", 2e-2),  # the cpu bf16 VAE's
+        ("fp32", 2, "interleaved", 1e-5),
+        ("fp32", 4, "batched", 1e-5),  # the cpu fp32 VAE's, and the UNet's largest convs
+    ],
+)
+def test_split_winograd_fuses_transform_conversion_and_pack(tmp_path, dtype, m, output, tol):
+    vmfb, names, x, ref = _compile(tmp_path, dtype, m, output)
+    th = SIDE // m
     matmuls = [n for n in names if re.search(r"_matmul_\d+x", n)]
     assert matmuls and not any("batch_matmul" in n for n in names), names
     if dtype == "bf16":
