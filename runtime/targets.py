@@ -267,7 +267,6 @@ EXPORT_CHOICES = {
     "conv": ("native", "matmul", "winograd", "winograd4", "pointwise_einsum"),
     "linear": ("native", "flat"),
     "transformer": ("native", "channels_first"),  # the UNet's transformer blocks
-    "winograd_output": ("batched", "interleaved"),  # a Winograd conv's inverse transform
 }
 # positive integers, in submodule_export.unet only: F(4x4) from this input side; plain matmuls
 # where the input side is at most the latent's / this

@@ -18,9 +18,8 @@ from sdiree.runtime.targets import UNET_ONLY_EXPORT
 # 7: under `sdpa`, layers with `upcast_attention` (SD 2.x) attend in fp32; 8: the VAE encoder
 # returns the latent std beside the mean, so img2img and inpainting sample as diffusers does;
 # 9: the text encoder takes token embeddings and the end-of-text positions instead of ids
-# (textual-inversion embeddings at run time, runtime/text_inputs.py); 10: Winograd as one matmul
-# per tile element, its inverse chosen by `winograd_output` (compile/exporters/conv_matmul.py).
-EXPORTER_REVISION = 10
+# (textual-inversion embeddings at run time, runtime/text_inputs.py).
+EXPORTER_REVISION = 9
 # Bumped when weights derived at export (Winograd) are computed differently, so that cached
 # derived archives written before are written again (compile/driver.py). 2: rounded once to the
 # export dtype; before, an fp16 file compiled in fp32 had its transformed weights rounded to fp16
@@ -71,7 +70,6 @@ def plan_for(builder, submodule: str):
     options = builder.export_options(submodule)
     attention = options.get("attention", "sdpa")
     conv = options.get("conv", "native")
-    winograd_output = options.get("winograd_output", "batched")
     model = builder.torch_model(COMPONENTS[submodule])
     set_linear_lowering(model, options.get("linear", "native"))
     encoders = {te["submodule"]: te for te in p.family.text_encoders}
@@ -100,7 +98,6 @@ def plan_for(builder, submodule: str):
             dtype=dtype,
             attention=attention,
             conv=conv,
-            winograd_output=winograd_output,
             winograd4_min_side=options.get("winograd4_min_side"),
             plain_from_downscale=options.get("plain_from_downscale"),
             added_conditioning=added_conditioning(p),
@@ -114,13 +111,7 @@ def plan_for(builder, submodule: str):
     # function keeps its name, the others are named for their input's height and width.
     plans = [
         vae_plan(
-            model,
-            batch=p.batch_size,
-            image_hw=hw,
-            dtype=dtype,
-            attention=attention,
-            conv=conv,
-            winograd_output=winograd_output,
+            model, batch=p.batch_size, image_hw=hw, dtype=dtype, attention=attention, conv=conv
         )
         for hw in p.vae_image_shapes()
     ]

@@ -43,11 +43,10 @@ class VaeEncodeEntry(torch.nn.Module):
 
 
 def _plan(
-    vae, *, submodule, entry_cls, fname, in_name, out_names, batch, image_hw, dtype, attention, conv,
-    winograd_output
-):  # fmt: skip
+    vae, *, submodule, entry_cls, fname, in_name, out_names, batch, image_hw, dtype, attention, conv
+):
     set_attention(vae, attention)
-    derived = set_conv_lowering(vae, conv, winograd_output=winograd_output)
+    derived = set_conv_lowering(vae, conv)
     group_norms_in_fp32(vae, dtype)
     vae = vae.to(dtype).eval()
     dt = NUMPY_DTYPE_NAMES[dtype]
@@ -79,23 +78,17 @@ def _plan(
     )
 
 
-def plan_vae_decoder(
-    vae, *, batch, image_hw, dtype, attention, conv="native", winograd_output="batched"
-) -> ExportPlan:
+def plan_vae_decoder(vae, *, batch, image_hw, dtype, attention, conv="native") -> ExportPlan:
     return _plan(
         vae, submodule="vae_decoder", entry_cls=VaeDecodeEntry, fname="decode",
         in_name="latents", out_names=("image",),
         batch=batch, image_hw=image_hw, dtype=dtype, attention=attention, conv=conv,
-        winograd_output=winograd_output,
     )  # fmt: skip
 
 
-def plan_vae_encoder(
-    vae, *, batch, image_hw, dtype, attention, conv="native", winograd_output="batched"
-) -> ExportPlan:
+def plan_vae_encoder(vae, *, batch, image_hw, dtype, attention, conv="native") -> ExportPlan:
     return _plan(
         vae, submodule="vae_encoder", entry_cls=VaeEncodeEntry, fname="encode",
         in_name="image", out_names=("latent_mean", "latent_std"),
         batch=batch, image_hw=image_hw, dtype=dtype, attention=attention, conv=conv,
-        winograd_output=winograd_output,
     )  # fmt: skip
