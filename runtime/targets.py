@@ -267,10 +267,13 @@ EXPORT_CHOICES = {
     "conv": ("native", "matmul", "winograd", "winograd4", "pointwise_einsum"),
     "linear": ("native", "flat"),
     "transformer": ("native", "channels_first"),  # the UNet's transformer blocks
+    "winograd_output": ("batched", "interleaved"),  # a split Winograd conv's inverse transform
 }
 # positive integers, in submodule_export.unet only: F(4x4) from this input side; plain matmuls
 # where the input side is at most the latent's / this
 UNET_ONLY_EXPORT = ("winograd4_min_side", "plain_from_downscale")
+# positive integers, any submodule: Winograd convs one matmul per tile element from this side
+SIDE_EXPORT = ("winograd_split_min_side",)
 KIND_NAMES = {
     "int": "an integer",
     "str": "a string",
@@ -330,15 +333,16 @@ class _Checker:
 
     def export(self, choices: dict, where: str, unet: bool, nullable: bool = False) -> None:
         for key, value in choices.items():
-            if value is None and nullable and (key in EXPORT_CHOICES or key in UNET_ONLY_EXPORT):
+            sized = key in UNET_ONLY_EXPORT or key in SIDE_EXPORT
+            if value is None and nullable and (key in EXPORT_CHOICES or sized):
                 continue
-            if key in UNET_ONLY_EXPORT and unet:
+            if key in SIDE_EXPORT or (key in UNET_ONLY_EXPORT and unet):
                 if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
                     self.fail(f"{where}.{key}", f"must be a positive integer, not {value!r:.60}")
             elif key in UNET_ONLY_EXPORT:
                 self.fail(f"{where}.{key}", "applies to the unet only (submodule_export.unet)")
             elif key not in EXPORT_CHOICES:
-                known = [*EXPORT_CHOICES, *UNET_ONLY_EXPORT]
+                known = [*EXPORT_CHOICES, *UNET_ONLY_EXPORT, *SIDE_EXPORT]
                 self.fail(f"{where}.{key}", f"is not a known export choice ({', '.join(known)})")
             elif value not in EXPORT_CHOICES[key]:
                 self.fail(

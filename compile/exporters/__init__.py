@@ -70,6 +70,10 @@ def plan_for(builder, submodule: str):
     options = builder.export_options(submodule)
     attention = options.get("attention", "sdpa")
     conv = options.get("conv", "native")
+    winograd = {
+        "winograd_output": options.get("winograd_output", "batched"),
+        "winograd_split_min_side": options.get("winograd_split_min_side"),
+    }
     model = builder.torch_model(COMPONENTS[submodule])
     set_linear_lowering(model, options.get("linear", "native"))
     encoders = {te["submodule"]: te for te in p.family.text_encoders}
@@ -98,6 +102,7 @@ def plan_for(builder, submodule: str):
             dtype=dtype,
             attention=attention,
             conv=conv,
+            **winograd,
             winograd4_min_side=options.get("winograd4_min_side"),
             plain_from_downscale=options.get("plain_from_downscale"),
             added_conditioning=added_conditioning(p),
@@ -111,7 +116,13 @@ def plan_for(builder, submodule: str):
     # function keeps its name, the others are named for their input's height and width.
     plans = [
         vae_plan(
-            model, batch=p.batch_size, image_hw=hw, dtype=dtype, attention=attention, conv=conv
+            model,
+            batch=p.batch_size,
+            image_hw=hw,
+            dtype=dtype,
+            attention=attention,
+            conv=conv,
+            **winograd,
         )
         for hw in p.vae_image_shapes()
     ]

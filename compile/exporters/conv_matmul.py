@@ -43,6 +43,10 @@ CONV_CHOICES = ("native", "matmul", "winograd", "winograd4", "pointwise_einsum")
 WINOGRAD_TILES = {"winograd": 2, "winograd4": 4}
 
 WINOGRAD_TILE = WINOGRAD_TILES["winograd"]
+# Export choice `winograd_output`: how a Winograd conv's products are transformed back:
+# "batched" (stacked into one tensor first) or "interleaved" (F(2x2) only; faster at the UNet's
+# sizes, see _inverse_interleaved).
+WINOGRAD_OUTPUTS = ("batched", "interleaved")
 
 
 def conv2d_as_matmul(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
@@ -102,37 +106,116 @@ def winograd_weight(weight: torch.Tensor, m: int = WINOGRAD_TILE) -> torch.Tenso
     return torch.einsum("xa,ocab,yb->xyco", g, weight, g).reshape(t * t, c, o)
 
 
-def conv2d_winograd(conv: torch.nn.Conv2d, x: torch.Tensor, m: int = WINOGRAD_TILE):
-    """A 3x3, stride 1, padding 1 convolution as Winograd F(m x m, 3x3): (m+2)^2 batched
-    matmuls over the tiles; anything else falls back to conv2d_as_matmul."""
+def conv2d_winograd(
+    conv: torch.nn.Conv2d,
+    x: torch.Tensor,
+    m: int = WINOGRAD_TILE,
+    output: str = "batched",
+    split_min_side: int | None = None,
+):
+    """A 3x3, stride 1, padding 1 convolution as Winograd F(m x m, 3x3): (m+2)^2 matmuls over
+    the tiles; anything else falls back to conv2d_as_matmul. Where the input's side is at least
+    split_min_side (export choice `winograd_split_min_side`) they are one matmul per tile
+    element, their products transformed back as output (WINOGRAD_OUTPUTS) says; elsewhere one
+    batched matmul (see _winograd_batched)."""
     if not winograd_applies(conv, x, m):
         return conv2d_as_matmul(conv, x)
-    bt, g, at = WINOGRAD[m]
-    t = m + 2
+    u = getattr(conv, WINOGRAD_PARAM, None)
+    if u is None:
+        u = winograd_weight(conv.weight, m)
+    xp = F.pad(x.permute(0, 2, 3, 1), (0, 0, 1, 1, 1, 1))  # [N, H+2, W+2, C]
     n, c, h, w = x.shape
-    o = conv.weight.shape[0]
     th, tw = h // m, w // m
-    xp = F.pad(x.permute(0, 2, 3, 1), (0, 0, 1, 1, 1, 1))
+    shape = (n, th, tw, u.shape[-1])
+    if split_min_side is not None and min(h, w) >= split_min_side:
+        prods = _winograd_products(xp, u, m, th, tw)
+        if output == "interleaved" and m == 2:
+            y = _inverse_interleaved(prods, m, shape)
+        else:
+            y = _inverse_batched(torch.stack(prods), m, shape)
+    else:
+        y = _inverse_batched(_winograd_batched(xp, u, m, th, tw), m, shape)
+    if conv.bias is not None:
+        y = y + conv.bias
+    return y.permute(0, 3, 1, 2)
+
+
+def _winograd_batched(xp: torch.Tensor, u: torch.Tensor, m: int, th: int, tw: int):
+    """All (m+2)^2 products M_rs = V_rs @ U_rs as one batched matmul over the stacked V_rs:
+    [(m+2)^2, N·th·tw, O]. Each conv is a few dispatches (its compile, and its weight's
+    encoding at compile time, cost what one conv's should); but the stacks are whole-tensor
+    copies, and a bf16 conversion of them is packed element by element (compile/NOTES.md)."""
+    bt = WINOGRAD[m][0]
+    t = m + 2
+    n, c = xp.shape[0], xp.shape[-1]
     # B^T d B over all tiles at once, one axis at a time on whole tensors (few traced ops: the
     # export's time grows with their number). Input row i of every tile row: [N, th, W+2, C].
     rows = [xp[:, i : i + m * th : m] for i in range(t)]
     bd = torch.stack([_combine(bt[r], rows) for r in range(t)])
     cols = [bd[:, :, :, j : j + m * tw : m] for j in range(t)]  # [t(r), N, th, tw, C]
     v = torch.stack([_combine(bt[s], cols) for s in range(t)], dim=1)  # [t(r), t(s), N, th, tw, C]
-    u = getattr(conv, WINOGRAD_PARAM, None)
-    if u is None:
-        u = winograd_weight(conv.weight, m)
-    prod = torch.bmm(v.reshape(t * t, n * th * tw, c), u).reshape(t, t, n, th, tw, o)
-    # A^T M A: over the tile columns s, then the rows r.
+    return torch.bmm(v.reshape(t * t, n * th * tw, c), u)
+
+
+def _winograd_products(xp: torch.Tensor, u: torch.Tensor, m: int, th: int, tw: int) -> list:
+    """M_rs = V_rs @ U_rs for every tile element (r, s), r-major: [N·th·tw, O] each, where
+    V_rs = (B^T d B)_rs of every tile d of the padded channels-last input xp. Each V_rs is an
+    elementwise op on strided slices of one row transform, which iree fuses into the packing
+    of its matmul's operand (with bf16 operands, the conversion too). One batched matmul
+    needed all V_rs stacked first: whole-tensor copies, and a bf16 conversion iree flattened to
+    1-D and packed element by element (one 320-channel 64² conv, batch 2: bf16 101 -> 41 ms;
+    tools/PERFORMANCE.md, nineteenth session)."""
+    bt = WINOGRAD[m][0]
+    t = m + 2
+    n, c = xp.shape[0], xp.shape[-1]
+    rows = [xp[:, i : i + m * th : m] for i in range(t)]  # tile row i: [N, th, W+2, C]
+    prods = []
+    for r in range(t):
+        bd = _combine(bt[r], rows)
+        cols = [bd[:, :, j : j + m * tw : m] for j in range(t)]
+        for s in range(t):
+            v = _combine(bt[s], cols)
+            prods.append(torch.mm(v.reshape(n * th * tw, c), u[r * t + s]))
+    return prods
+
+
+def _inverse_interleaved(prods: list, m: int, shape: tuple) -> torch.Tensor:
+    """A^T M A by columns then rows on the separate products, the m x m outputs of each tile
+    interleaved into the image: no op reads more than m+2 products. The faster inverse at the
+    UNet's sizes (one 320-channel 64² conv: bf16 49.5 -> 41 ms, fp32 68.5 -> 55 ms against
+    stacking the outputs first); F(2x2) only (F(4x4)'s overran llvm-cpu's 32 KiB stack limit),
+    and not for the VAE (its resnets' residual adds, fused with a 1x1 shortcut's matmul,
+    overran it too)."""
+    at = WINOGRAD[m][2]
+    t = m + 2
+    n, th, tw, o = shape
+    half = [[_combine(at[b], prods[r * t : (r + 1) * t]) for b in range(m)] for r in range(t)]
+    y = torch.stack(
+        [
+            torch.stack(
+                [_combine(at[a], [h[b] for h in half]).reshape(n, th, tw, o) for b in range(m)],
+                dim=3,
+            )
+            for a in range(m)
+        ],
+        dim=2,
+    )  # [N, th, m(a), tw, m(b), O]: output pixel (m*ty + a, m*tx + b)
+    return y.reshape(n, th * m, tw * m, o)
+
+
+def _inverse_batched(prods: torch.Tensor, m: int, shape: tuple) -> torch.Tensor:
+    """A^T M A on the products as one [(m+2)^2, N·th·tw, O] tensor, over the tile columns s,
+    then the rows r, whole tensors at a time."""
+    at = WINOGRAD[m][2]
+    t = m + 2
+    n, th, tw, o = shape
+    prod = prods.reshape(t, t, n, th, tw, o)
     by_col = [prod[:, s] for s in range(t)]
     half = torch.stack([_combine(at[b], by_col) for b in range(m)], dim=1)  # [t(r), m(b), ...]
     by_row = [half[r] for r in range(t)]
     y = torch.stack([_combine(at[a], by_row) for a in range(m)])  # [m(a), m(b), N, th, tw, O]
     # y[a][b][n, ty, tx, o] is output pixel (m*ty + a, m*tx + b)
-    y = y.permute(2, 3, 0, 4, 1, 5).reshape(n, h, w, o)
-    if conv.bias is not None:
-        y = y + conv.bias
-    return y.permute(0, 3, 1, 2)
+    return y.permute(2, 3, 0, 4, 1, 5).reshape(n, th * m, tw * m, o)
 
 
 def conv1x1_as_einsum(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
@@ -154,32 +237,33 @@ def _supported(conv: torch.nn.Conv2d) -> bool:
     )
 
 
-def conv2d_winograd4(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    return conv2d_winograd(conv, x, WINOGRAD_TILES["winograd4"])
+# The non-Winograd lowerings; a Winograd choice's convs take conv2d_winograd with their tile.
+LOWERINGS = {"matmul": conv2d_as_matmul, "pointwise_einsum": conv1x1_as_einsum}
 
 
-LOWERINGS = {
-    "matmul": conv2d_as_matmul,
-    "winograd": conv2d_winograd,
-    "winograd4": conv2d_winograd4,
-    "pointwise_einsum": conv1x1_as_einsum,
-}
-
-
-def convs_as_matmuls(model: torch.nn.Module, conv: str = "matmul", tiles=None) -> int:
+def convs_as_matmuls(
+    model: torch.nn.Module,
+    conv: str = "matmul",
+    tiles=None,
+    winograd_output: str = "batched",
+    split_min_side: int | None = None,
+) -> int:
     """Rebind the forward of every supported Conv2d in `model` to the lowering named conv;
-    returns how many. tiles ({conv: m}) picks a Winograd conv's own tile size."""
-    forward = LOWERINGS[conv]
+    returns how many. tiles ({conv: m}) picks a Winograd conv's own tile size; winograd_output
+    and split_min_side are conv2d_winograd's."""
+    forward = LOWERINGS.get(conv)
     count = 0
     for m in model.modules():
         if isinstance(m, torch.nn.Conv2d) and _supported(m):
-            tile = (tiles or {}).get(m)
-            if tile is None:
-                lowering = forward
-            elif tile == 0:  # plain, by the tiles' choice
+            tile = (tiles or {}).get(m, WINOGRAD_TILES.get(conv))
+            if tile == 0:  # plain, by the tiles' choice
                 lowering = conv2d_as_matmul
+            elif tile is None:
+                lowering = forward
             else:
-                lowering = functools.partial(conv2d_winograd, m=tile)
+                lowering = functools.partial(
+                    conv2d_winograd, m=tile, output=winograd_output, split_min_side=split_min_side
+                )
             m.forward = types.MethodType(lowering, m)
             count += 1
     return count
@@ -307,17 +391,28 @@ def is_derived(name: str) -> bool:
 
 
 def set_conv_lowering(
-    model: torch.nn.Module, conv: str, tiles: dict[torch.nn.Conv2d, int] | None = None
+    model: torch.nn.Module,
+    conv: str,
+    tiles: dict[torch.nn.Conv2d, int] | None = None,
+    winograd_output: str = "batched",
+    split_min_side: int | None = None,
 ) -> str | None:
     """Apply the target's `export.conv` choice to every Conv2d of model, with tiles ({conv:
-    m}, Winograd choices only) overriding the choice's tile per conv. Returns a tag naming the
-    derived parameters it added (None when it added none)."""
+    m}, Winograd choices only) overriding the choice's tile per conv; winograd_output and
+    split_min_side (export choices `winograd_output`, `winograd_split_min_side`) are
+    conv2d_winograd's. Returns a tag naming the derived parameters it added (None when it added
+    none)."""
     if conv not in CONV_CHOICES:
         raise ValueError(f"export conv choice must be one of {CONV_CHOICES}, not {conv!r}")
+    if winograd_output not in WINOGRAD_OUTPUTS:
+        raise ValueError(
+            f"export winograd_output choice must be one of {WINOGRAD_OUTPUTS}, "
+            f"not {winograd_output!r}"
+        )
     m = WINOGRAD_TILES.get(conv)
     if tiles and not m:
         raise ValueError(f"per-conv Winograd tiles need a Winograd conv choice, not {conv!r}")
     if conv == "native":
         return None
-    convs_as_matmuls(model, conv, tiles)
+    convs_as_matmuls(model, conv, tiles, winograd_output, split_min_side)
     return derived_tag(add_winograd_weights(model, m, tiles)) if m else None

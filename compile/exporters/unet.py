@@ -83,6 +83,8 @@ def plan_unet(
     dtype: torch.dtype,
     attention: str,
     conv: str = "native",
+    winograd_output: str = "batched",
+    winograd_split_min_side: int | None = None,
     winograd4_min_side: int | None = None,
     plain_from_downscale: int | None = None,
     added_conditioning: dict[str, int] | None = None,
@@ -109,7 +111,7 @@ def plan_unet(
         tiles = tiles_by_side(sides, small, large, winograd4_min_side, plain)
     set_attention(unet, attention)
     cat_text_time_embedding(unet)
-    derived = set_conv_lowering(unet, conv, tiles)
+    derived = set_conv_lowering(unet, conv, tiles, winograd_output, winograd_split_min_side)
     set_transformer_layout(unet, transformer)
     group_norms_in_fp32(unet, dtype)
     share_cfg_prefix(unet, batch)  # last: it wraps the forwards rebound above

@@ -43,10 +43,13 @@ class VaeEncodeEntry(torch.nn.Module):
 
 
 def _plan(
-    vae, *, submodule, entry_cls, fname, in_name, out_names, batch, image_hw, dtype, attention, conv
-):
+    vae, *, submodule, entry_cls, fname, in_name, out_names, batch, image_hw, dtype, attention, conv,
+    winograd_output, winograd_split_min_side
+):  # fmt: skip
     set_attention(vae, attention)
-    derived = set_conv_lowering(vae, conv)
+    derived = set_conv_lowering(
+        vae, conv, winograd_output=winograd_output, split_min_side=winograd_split_min_side
+    )
     group_norms_in_fp32(vae, dtype)
     vae = vae.to(dtype).eval()
     dt = NUMPY_DTYPE_NAMES[dtype]
@@ -78,17 +81,25 @@ def _plan(
     )
 
 
-def plan_vae_decoder(vae, *, batch, image_hw, dtype, attention, conv="native") -> ExportPlan:
+def plan_vae_decoder(
+    vae, *, batch, image_hw, dtype, attention, conv="native", winograd_output="batched",
+    winograd_split_min_side=None,
+) -> ExportPlan:  # fmt: skip
     return _plan(
         vae, submodule="vae_decoder", entry_cls=VaeDecodeEntry, fname="decode",
         in_name="latents", out_names=("image",),
         batch=batch, image_hw=image_hw, dtype=dtype, attention=attention, conv=conv,
+        winograd_output=winograd_output, winograd_split_min_side=winograd_split_min_side,
     )  # fmt: skip
 
 
-def plan_vae_encoder(vae, *, batch, image_hw, dtype, attention, conv="native") -> ExportPlan:
+def plan_vae_encoder(
+    vae, *, batch, image_hw, dtype, attention, conv="native", winograd_output="batched",
+    winograd_split_min_side=None,
+) -> ExportPlan:  # fmt: skip
     return _plan(
         vae, submodule="vae_encoder", entry_cls=VaeEncodeEntry, fname="encode",
         in_name="image", out_names=("latent_mean", "latent_std"),
         batch=batch, image_hw=image_hw, dtype=dtype, attention=attention, conv=conv,
+        winograd_output=winograd_output, winograd_split_min_side=winograd_split_min_side,
     )  # fmt: skip

@@ -55,7 +55,13 @@ def test_required_presets_exist():
     # 512x512), where the activations outweigh the 4x larger transformed weights; the 32x32
     # level's F(2x2) keeps `sdiree run`'s peak below torch eager's (issue 21)
     assert cpu.export_for("unet")["winograd4_min_side"] == 64
-    assert cpu.export_for("vae_decoder") == {"attention": "chunked", "conv": "winograd4"}
+    # ... each Winograd conv one matmul per tile element where its input is large enough to pay
+    # for the dispatches (specs/README.md), 16 in the UNet, 128 in the VAE
+    assert cpu.export_for("unet")["winograd_split_min_side"] == 16
+    assert cpu.export_for("vae_decoder") == {
+        "attention": "chunked", "conv": "winograd4", "winograd_output": "batched",
+        "winograd_split_min_side": 128,
+    }  # fmt: skip
     assert REGISTRY.target("cpu").export_dtype("bf16") == "fp32"
     # GPU targets: linears as 2-D matmuls (no load-time transposed copies), except in the VAE
     # and on the 48 KiB NVIDIA Vulkan presets, where iree 3.13 then fails to compile some

@@ -203,11 +203,11 @@ def test_export_choices_match_the_exporters():
     pytest.importorskip("torch")
     from sdiree.compile.exporters.attention import ATTENTIONS
     from sdiree.compile.exporters.channels_first import TRANSFORMER_CHOICES
-    from sdiree.compile.exporters.conv_matmul import CONV_CHOICES
+    from sdiree.compile.exporters.conv_matmul import CONV_CHOICES, WINOGRAD_OUTPUTS
     from sdiree.compile.exporters.linear_flat import LINEAR_CHOICES
     from sdiree.runtime.targets import EXPORT_CHOICES
 
     assert EXPORT_CHOICES == {
         "attention": ATTENTIONS, "conv": CONV_CHOICES, "linear": LINEAR_CHOICES,
-        "transformer": TRANSFORMER_CHOICES,
+        "transformer": TRANSFORMER_CHOICES, "winograd_output": WINOGRAD_OUTPUTS,
     }  # fmt: skip

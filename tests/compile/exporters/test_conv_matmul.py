@@ -219,6 +219,40 @@ def test_winograd4_min_side_gives_large_inputs_f4_and_names_the_mix():
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("split_min_side,split,batched", [(None, 0, 1), (16, 1, 1), (8, 1, 0)])
+def test_winograd_split_min_side_splits_the_large_inputs_convs(
+    monkeypatch, split_min_side, split, batched
+):  # fmt: skip
+    """plan_unet with winograd_split_min_side: the Winograd convs whose input side is at least
+    that run one 2-D matmul per tile element, the others one batched matmul; outputs match the
+    model's own either way."""
+    from sdiree.compile.exporters import conv_matmul
+    from sdiree.compile.exporters.unet import plan_unet
+
+    calls = {"_winograd_products": 0, "_winograd_batched": 0}
+    for name in calls:
+
+        def counted(*args, _name=name, _real=getattr(conv_matmul, name)):
+            calls[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(conv_matmul, name, counted)
+    p = plan_unet(
+        tiny_unet(16), batch=1, latent_hws=[(16, 16)], text_len=5, text_dim=16,
+        dtype=torch.float32, attention="decomposed", conv="winograd",
+        winograd_output="interleaved", winograd_split_min_side=split_min_side,
+    )  # fmt: skip
+    ref = tiny_unet(16)
+    x, t, e = torch.randn(1, 4, 16, 16), torch.tensor(10.0), torch.randn(2, 5, 16)
+    x = torch.cat([x, x])
+    with torch.no_grad():
+        out = p.params_module(x, t, e).sample
+        torch.testing.assert_close(out, ref(x, t, e).sample, rtol=1e-4, atol=2e-5)
+    # the 16x16 level's convs split from 16, the 8x8 level's too from 8
+    assert (calls["_winograd_products"] > 0) == bool(split), calls
+    assert (calls["_winograd_batched"] > 0) == bool(batched), calls
+
+
 def test_plain_from_downscale_runs_the_smallest_inputs_as_plain_matmuls():
     """plan_unet with plain_from_downscale: 3x3 convs whose input side is at most the latent's
     side over it get no Winograd weight (a plain im2col matmul, 9/16 of F(2x2)'s weight

@@ -35,14 +35,20 @@ def _errors(channels: int = 128, side: int = 32) -> dict[str, float]:
     rounded = torch.nn.Conv2d(channels, channels, 3, padding=1)
     rounded.weight.data, rounded.bias.data = _bf16(conv.weight.data), conv.bias.data
     errors = {"im2col": _rel(rounded(_bf16(x)), ref)}
-    bmm = torch.bmm
-    try:  # the Winograd contraction is one torch.bmm: round its operands as iree does
-        torch.bmm = lambda a, b: bmm(_bf16(a), _bf16(b))
+    mm, bmm = torch.mm, torch.bmm
+    try:  # the Winograd contraction (one torch.bmm, or split: a torch.mm per tile element):
+        # round its operands as iree does, and check that each form ran
+        calls = []
+        torch.mm = lambda a, b: calls.append("mm") or mm(_bf16(a), _bf16(b))
+        torch.bmm = lambda a, b: calls.append("bmm") or bmm(_bf16(a), _bf16(b))
         with torch.no_grad():
             for m in (2, 4):
                 errors[f"F{m}"] = _rel(conv2d_winograd(conv, x, m), ref)
+                split = _rel(conv2d_winograd(conv, x, m, split_min_side=side), ref)
+                assert split == pytest.approx(errors[f"F{m}"], rel=1e-3), (m, split)
     finally:
-        torch.bmm = bmm
+        torch.mm, torch.bmm = mm, bmm
+    assert calls.count("mm") == 16 + 36 and calls.count("bmm") == 2, calls
     return errors
 
 
