@@ -136,6 +136,19 @@ CASES = {
         _cpu(lambda t: t["submodule_export"]["vae_decoder"].__setitem__("plain_from_downscale", 8)),
         "plain_from_downscale applies to the unet only",
     ),
+    "split-min-side-negative-for-the-vae": (
+        _cpu(
+            lambda t: t["submodule_export"]["vae_decoder"].__setitem__(
+                "winograd_split_min_side", -128
+            )
+        ),
+        "targets.cpu.submodule_export.vae_decoder.winograd_split_min_side must be a positive "
+        "integer, not -128",
+    ),
+    "split-min-side-a-bool": (
+        _cpu(lambda t: t["export"].__setitem__("winograd_split_min_side", True)),
+        "targets.cpu.export.winograd_split_min_side must be a positive integer, not True",
+    ),
     "unknown-linear-of-an-arch": (
         _edit(
             lambda d: d["targets"]["vulkan-spirv"]["arches"]["ampere"]["export"].__setitem__(
