@@ -35,16 +35,21 @@ SCAN_MIN, SCAN_MAX = 1 << 10, 1 << 22  # words decoded at once while scanning
 @dataclass(frozen=True)
 class Region:
     """One packed copy of `param` at byte `offset` of an encoded entry: the weight (shape
-    `shape`, unit dimensions dropped) zero-padded, then read as a strided view with one axis
-    per level (dim, step, count), outermost first."""
+    `shape`, unit dimensions dropped) zero-padded, then read from `origin` (an index into it;
+    a slice of a weight, e.g. one tile element of a split Winograd conv's, starts past 0) as a
+    strided view with one axis per level (dim, step, count), outermost first."""
 
     param: str
     offset: int
     shape: tuple[int, ...]
     levels: tuple[tuple[int, int, int], ...]
+    origin: tuple[int, ...] = ()  # () is every dim's 0
+
+    def start(self) -> tuple[int, ...]:
+        return self.origin or (0,) * len(self.shape)
 
     def padded(self) -> tuple[int, ...]:
-        reach = [1] * len(self.shape)
+        reach = [o + 1 for o in self.start()]
         for d, step, count in self.levels:
             reach[d] += step * (count - 1)
         return tuple(max(s, r) for s, r in zip(self.shape, reach, strict=True))
@@ -66,17 +71,24 @@ class Region:
             w = p
         else:
             w = np.ascontiguousarray(w)
-        strides = [w.strides[d] * step for d, step, _ in self.levels]
+        return self.view(w, writeable=False)
+
+    def view(self, padded: np.ndarray, writeable: bool) -> np.ndarray:
+        """The region's strided view (one axis per level) of an array of shape padded()."""
+        at = padded[tuple(slice(o, None) for o in self.start())]
+        strides = [padded.strides[d] * step for d, step, _ in self.levels]
         return np.lib.stride_tricks.as_strided(
-            w, [c for _, _, c in self.levels], strides, writeable=False
+            at, [c for _, _, c in self.levels], strides, writeable=writeable
         )
 
     def to_json(self) -> list:
-        return [self.param, self.offset, list(self.shape), [list(x) for x in self.levels]]
+        j = [self.param, self.offset, list(self.shape), [list(x) for x in self.levels]]
+        return j + [list(self.origin)] if any(self.origin) else j
 
     @staticmethod
     def from_json(j) -> Region:
-        return Region(str(j[0]), int(j[1]), tuple(j[2]), tuple(tuple(x) for x in j[3]))
+        origin = tuple(int(x) for x in j[4]) if len(j) > 4 else ()
+        return Region(str(j[0]), int(j[1]), tuple(j[2]), tuple(tuple(x) for x in j[3]), origin)
 
 
 @dataclass
@@ -266,8 +278,8 @@ def _first(test, n: int, chunk: int = 1 << 22) -> int | None:
 
 
 def infer_levels(E: np.ndarray, shape: tuple[int, ...]) -> tuple | None:
-    """The levels (outermost first) of the region that E (element indices; PAD, FOREIGN)
-    starts with, or None. E[0] must be element 0."""
+    """The levels (outermost first) of the region that E (element indices relative to the
+    region's first; PAD, FOREIGN) starts with, or None. E[0] must be 0."""
     if len(E) == 0 or E[0] != 0:
         return None
     levels = []
@@ -301,7 +313,7 @@ def infer_levels(E: np.ndarray, shape: tuple[int, ...]) -> tuple | None:
     return tuple(reversed(levels))
 
 
-def _check(region: Region, E: np.ndarray) -> bool:
+def _check(region: Region, E: np.ndarray, part: bool = False) -> bool:
     n = int(np.prod(region.shape, dtype=np.int64))
     if region.size() > len(E):
         return False
@@ -311,7 +323,21 @@ def _check(region: Region, E: np.ndarray) -> bool:
     if int(np.prod(region.padded(), dtype=np.int64)) > 8 * n + (1 << 20):
         return False
     want = region.pack(np.arange(n, dtype=np.int32), fill=PAD)
-    return len(E) >= len(want) and np.array_equal(E[: len(want)], want)
+    if not (len(E) >= len(want) and np.array_equal(E[: len(want)], want)):
+        return False
+    if not part:
+        return True
+    # Part of a weight (one of its slices, packed on their own): whole rows of it, each
+    # element once; never a stray code or a few elements of a shuffle.
+    inner = int(np.prod(region.shape[1:], dtype=np.int64))
+    got = np.sort(want[want >= 0])
+    first = int(np.ravel_multi_index(region.start(), region.shape))
+    return (
+        len(region.shape) > 1
+        and first % inner == 0
+        and len(got) % inner == 0
+        and np.array_equal(got, np.arange(first, first + len(got)))
+    )
 
 
 def learn_entry(
@@ -353,7 +379,8 @@ def learn_entry(
         key = decoder.keys[int(p[0])]
         shape = squeeze(shapes[key])
         size = int(np.prod(shape, dtype=np.int64))
-        if int(e[0]) != 0:
+        first = int(e[0])  # a slice of the weight starts past its element 0
+        if first and (len(shape) < 2 or first % shape[-1]):  # no slice: a stray code
             failed.add(key)
             pos = j + _run_of(decoder, words, j, int(p[0]))
             continue
@@ -364,10 +391,18 @@ def learn_entry(
             end = min(n, j + span)
             E = decoder.elements(words[j:end], int(p[0]))
             bounded = end == n or len(E) < end - j  # ends at the data's end or another weight
+            rel = np.where(E >= 0, E - first, E) if first else E
             for cand in merged_shapes(shape):
-                levels = infer_levels(E, cand)
-                if levels and _check(r := Region(key, j * itemsize, cand, levels), E):
-                    region = r
+                origin = tuple(int(x) for x in np.unravel_index(first, cand)) if first else ()
+                levels = infer_levels(rel, cand) or ()
+                # the outer levels may have run on into the weight's next slice: without them,
+                # the region is the slice
+                for k in range(len(levels)):
+                    r = Region(key, j * itemsize, cand, levels[k:], origin)
+                    if _check(r, E, part=bool(first or k)):
+                        region = r
+                        break
+                if region is not None:
                     break
             if region is not None or bounded or span >= 4 * size + (1 << 16):
                 break

@@ -36,13 +36,9 @@ def unpack(region: Region, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(weight, covered) from region's packed copy `data` (flat, the weight's dtype): the
     weight of shape region.shape, and a mask of the elements the copy holds."""
     padded = region.padded()
-    counts = [c for _, _, c in region.levels]
-    out = np.zeros(padded, data.dtype)
-    seen = np.zeros(padded, np.bool_)
-    for arr, value in ((out, data.reshape(counts)), (seen, True)):
-        strides = [arr.strides[d] * step for d, step, _ in region.levels]
-        view = np.lib.stride_tricks.as_strided(arr, counts, strides, writeable=True)
-        view[...] = value
+    out, seen = np.zeros(padded, data.dtype), np.zeros(padded, np.bool_)
+    region.view(out, writeable=True)[...] = data.reshape([c for _, _, c in region.levels])
+    region.view(seen, writeable=True)[...] = True
     inner = tuple(slice(0, s) for s in region.shape)
     return out[inner], seen[inner]
 
@@ -86,11 +82,16 @@ class Recoverer:
         for layout, views, by_param in self._load():
             if key in layout.unverified:
                 continue
+            w = covered = None  # a weight may come in slices (a split Winograd conv's)
             for entry, region in by_param.get(key, ()):
                 n = region.size() * dtype.itemsize
                 data = views[entry][region.offset : region.offset + n].view(dtype)
-                w, covered = unpack(region, data)
+                part, seen = (a.reshape(-1) for a in unpack(region, data))
                 release_pages(views[entry], region.offset, region.offset + n)  # read once
+                if w is None:
+                    w, covered = part, seen
+                else:
+                    w, covered = np.where(seen, part, w), covered | seen
                 if covered.all():
                     return w
         return None

@@ -115,6 +115,40 @@ def test_a_padded_tiled_pack_is_found_and_a_shuffle_is_not():
     assert failed == {"v"}
 
 
+def test_a_weight_packed_in_slices_is_found_slice_by_slice():
+    """A split Winograd conv's weight [16, C, O] reaches its matmuls as 16 slices, each packed
+    (here tiled and padded) on its own and written in any order: each slice is a region that
+    starts past the weight's element 0 (Region.origin); together they re-pack the weight and
+    give it back."""
+    from sdiree.runtime.weights.recover import unpack
+
+    taps, c, o = 16, 3, 20
+    shapes = {"u": (taps, c, o), "v": (4, 4)}
+    bases = {"u": 0, "v": taps * c * o}
+    order = [5, 0, 15, 9, *[k for k in range(taps) if k not in (5, 0, 15, 9)]]
+    # slice k: [C=3, O=20] packed as [O1=2, C=3, O0=16], O padded to 32
+    tiles = [Region("u", 0, (taps, c, o), ((2, 16, 2), (1, 1, 3), (2, 1, 16)), (k, 0, 0))
+             for k in order]  # fmt: skip
+    index = np.arange(taps * c * o)
+    coded = _codes([("u", t.pack(index, fill=-1)) for t in tiles], bases)
+    regions, failed, _ = learn_entry(coded, _Decoder(bases, shapes), shapes)
+    # one region a slice, or a run of slices written one after the other (6, 7, 8) as one
+    assert not failed and [r.start()[0] for r in regions][:4] == order[:4]
+    assert regions[1].origin == () and sum(r.size() for r in regions) == taps * 96
+    u = np.random.default_rng(0).standard_normal((taps, c, o)).astype(np.float32)
+    packed = np.concatenate([r.pack(u) for r in regions])
+    np.testing.assert_array_equal(packed, np.concatenate([t.pack(u) for t in tiles]))
+    back, covered = np.zeros(u.size, u.dtype), np.zeros(u.size, bool)
+    at = 0
+    for r in regions:
+        part, seen = (a.reshape(-1) for a in unpack(r, packed[at : at + r.size()]))
+        back, covered = np.where(seen, part, back), covered | seen
+        at += r.size()
+        assert covered.all() == (r is regions[-1])  # each slice's rows, once
+    np.testing.assert_array_equal(back.reshape(u.shape), u)
+    assert [Region.from_json(r.to_json()) for r in regions] == regions
+
+
 def _image(art, overrides):
     m = load_manifest(art)
     info, _ = choose_device(m, None)
