@@ -69,7 +69,7 @@ def _ops():
     from torch import nn
     from torch.nn import functional as F
 
-    from sdiree.compile.exporters.conv_matmul import conv2d_as_matmul
+    from sdiree.compile.exporters.im2col import conv2d_as_matmul
 
     class Fn(nn.Module):
         def __init__(self, fn, *mods):

@@ -21,8 +21,9 @@ from .attention import set_attention
 from .base import NUMPY_DTYPE_NAMES, ExportPlan, FunctionSpec, TensorSpec
 from .cfg_prefix import share_cfg_prefix
 from .channels_first import set_transformer_layout
-from .conv_matmul import WINOGRAD_TILES, conv_input_sides, set_conv_lowering, tiles_by_side
+from .conv_matmul import conv_input_sides, set_conv_lowering, tiles_by_side
 from .norm_precision import group_norms_in_fp32
+from .winograd import WINOGRAD_TILES
 
 
 class UNetEntry(torch.nn.Module):

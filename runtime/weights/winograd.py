@@ -1,7 +1,7 @@
 """Winograd F(m x m, 3x3) weight transforms, shared by the cpu export and the runtime.
 
 The cpu export computes each 3x3 convolution's transformed weight G g G^T once, as a parameter
-of its own (`<conv>.weight_winograd`, compile/exporters/conv_matmul.py); the runtime computes
+of its own (`<conv>.weight_winograd`, compile/exporters/winograd.py); the runtime computes
 the same from replaced weights (`sdiree run --weights/--lora`), in float64 as the export does.
 """
 

@@ -216,8 +216,9 @@ def test_export_choices_match_the_exporters():
     pytest.importorskip("torch")
     from sdiree.compile.exporters.attention import ATTENTIONS
     from sdiree.compile.exporters.channels_first import TRANSFORMER_CHOICES
-    from sdiree.compile.exporters.conv_matmul import CONV_CHOICES, WINOGRAD_OUTPUTS
+    from sdiree.compile.exporters.conv_matmul import CONV_CHOICES
     from sdiree.compile.exporters.linear_flat import LINEAR_CHOICES
+    from sdiree.compile.exporters.winograd import WINOGRAD_OUTPUTS
     from sdiree.runtime.targets import EXPORT_CHOICES
 
     assert EXPORT_CHOICES == {

@@ -7,13 +7,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdiree.compile.exporters.conv_matmul import (  # noqa: E402
-    conv1x1_as_einsum,
-    conv2d_as_matmul,
-    conv2d_winograd,
-    convs_as_matmuls,
-    winograd_applies,
-)
+from sdiree.compile.exporters.conv_matmul import conv1x1_as_einsum, convs_as_matmuls  # noqa: E402
+from sdiree.compile.exporters.im2col import conv2d_as_matmul  # noqa: E402
+from sdiree.compile.exporters.winograd import conv2d_winograd, winograd_applies  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -119,7 +115,8 @@ def test_winograd_weights_are_derived_parameters_with_the_same_result(tmp_path):
     import iree.runtime as rt
 
     from sdiree.compile.exporters.base import save_parameters
-    from sdiree.compile.exporters.conv_matmul import is_derived, set_conv_lowering
+    from sdiree.compile.exporters.conv_matmul import set_conv_lowering
+    from sdiree.compile.exporters.winograd import is_derived
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -226,17 +223,17 @@ def test_winograd_split_min_side_splits_the_large_inputs_convs(
     """plan_unet with winograd_split_min_side: the Winograd convs whose input side is at least
     that run one 2-D matmul per tile element, the others one batched matmul; outputs match the
     model's own either way."""
-    from sdiree.compile.exporters import conv_matmul
+    from sdiree.compile.exporters import winograd
     from sdiree.compile.exporters.unet import plan_unet
 
     calls = {"_winograd_products": 0, "_winograd_batched": 0}
     for name in calls:
 
-        def counted(*args, _name=name, _real=getattr(conv_matmul, name)):
+        def counted(*args, _name=name, _real=getattr(winograd, name)):
             calls[_name] += 1
             return _real(*args)
 
-        monkeypatch.setattr(conv_matmul, name, counted)
+        monkeypatch.setattr(winograd, name, counted)
     p = plan_unet(
         tiny_unet(16), batch=1, latent_hws=[(16, 16)], text_len=5, text_dim=16,
         dtype=torch.float32, attention="decomposed", conv="winograd",
@@ -291,7 +288,7 @@ def test_plain_from_downscale_runs_the_smallest_inputs_as_plain_matmuls():
 def test_derived_weights_of_an_fp16_file_are_rounded_once_to_the_export_dtype():
     """An fp16 model compiled in fp32: G g G^T in float64, rounded to fp32 only (rounding it
     to fp16 first cost ~1e-3 relative and made the weights unrecoverable for pruning)."""
-    from sdiree.compile.exporters.conv_matmul import derived_weight_maker, winograd_weight
+    from sdiree.compile.exporters.winograd import derived_weight_maker, winograd_weight
 
     g = (torch.randn(8, 4, 3, 3) * 0.02).half()
 

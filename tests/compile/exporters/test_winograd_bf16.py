@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdiree.compile.exporters.conv_matmul import conv2d_winograd  # noqa: E402
+from sdiree.compile.exporters.winograd import conv2d_winograd  # noqa: E402
 from sdiree.runtime.targets import load_registry  # noqa: E402
 
 

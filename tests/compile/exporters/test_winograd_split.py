@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("iree.compiler")
 pytest.importorskip("iree.turbine")
 
-from sdiree.compile.exporters.conv_matmul import add_winograd_weights, conv2d_winograd  # noqa: E402
+from sdiree.compile.exporters.winograd import add_winograd_weights, conv2d_winograd  # noqa: E402
 
 N, C, SIDE = 2, 32, 16
 

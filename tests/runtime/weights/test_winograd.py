@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 @pytest.mark.parametrize("m", sorted(WINOGRAD))
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_same_as_the_export(m, dtype):
-    from sdiree.compile.exporters.conv_matmul import winograd_weight as export_transform
+    from sdiree.compile.exporters.winograd import winograd_weight as export_transform
 
     w = np.random.default_rng(m).standard_normal((24, 16, 3, 3)).astype(dtype)
     ours = winograd_weight(w, (m + 2) ** 2)

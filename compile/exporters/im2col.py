@@ -1,0 +1,40 @@
+"""Export choice `conv: "matmul"`: a Conv2d as channels-last im2col and one matmul,
+[N·OH·OW, KH·KW·C] @ [KH·KW·C, O]; also what every other choice falls back to for the convs it
+does not take."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def conv2d_as_matmul(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    n, c, h, w = x.shape
+    o, _, kh, kw = conv.weight.shape
+    sh, sw = conv.stride
+    ph, pw = conv.padding
+    oh = (h + 2 * ph - kh) // sh + 1
+    ow = (w + 2 * pw - kw) // sw + 1
+    xh = x.permute(0, 2, 3, 1)
+    if ph or pw:
+        xh = F.pad(xh, (0, 0, pw, pw, ph, ph))
+    windows = [
+        xh[:, i : i + sh * (oh - 1) + 1 : sh, j : j + sw * (ow - 1) + 1 : sw, :]
+        for i in range(kh)
+        for j in range(kw)
+    ]
+    cols = torch.cat(windows, dim=-1) if len(windows) > 1 else windows[0]
+    weight = conv.weight.permute(2, 3, 1, 0).reshape(kh * kw * c, o)
+    out = torch.mm(cols.reshape(n * oh * ow, kh * kw * c), weight)
+    if conv.bias is not None:
+        out = out + conv.bias
+    return out.reshape(n, oh, ow, o).permute(0, 3, 1, 2)
+
+
+def supported(conv: torch.nn.Conv2d) -> bool:
+    return (
+        conv.groups == 1
+        and tuple(conv.dilation) == (1, 1)
+        and conv.padding_mode == "zeros"
+        and not isinstance(conv.padding, str)
+    )
