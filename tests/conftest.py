@@ -14,6 +14,7 @@ user's own cache.
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import sys
@@ -103,8 +104,13 @@ SDXL_TESTS = (
     "tests/runtime/test_sdxl_parity.py",
     "tests/compile/test_bench_families.py",
 )
-# The tiny SD 1.x compiled for more image sizes (`--sizes`), for tests/compile/test_compile_sizes.py.
-SIZES = ((64, 48), (40, 64), (40, 40))  # (height, width) px, besides the main 64x64
+# The tiny SD 1.x compiled for more image sizes (`--sizes`), for tests/compile/test_compile_sizes.py:
+# one not square (its latents take Winograd convs), one at an odd latent side (5x5: im2col, and
+# the race its test looks for). Without the VAE encoder, which those tests never call: each size
+# adds UNet and VAE functions, and this artifact was the suite's largest compile (cpu: 1,700 s
+# with 3 sizes and the encoder, an Intel Xeon under the suite's load).
+SIZES = ((64, 48), (40, 40))  # (height, width) px, besides the main 64x64
+SIZES_SUBMODULES = ("text_encoder", "unet", "vae_decoder")
 SIZES_AHEAD = (("cpu", "host", "fp32"), ("vulkan-spirv", "lavapipe", "fp32"))
 # The tiny SD 2.x's and inpainting model's artifacts, queued last (a test that gets there first
 # compiles its own while the background works on the next).
@@ -197,15 +203,36 @@ class AheadQueue:
 _AHEAD = AheadQueue()
 
 
+def _compile_options(fields: dict):
+    from sdiree.compile.driver import CompileOptions
+
+    paths = {k: Path(fields[k]) for k in ("model_dir", "out")}
+    sizes = tuple(tuple(s) for s in fields["sizes"])
+    subs = tuple(fields["submodules"]) if fields["submodules"] else None
+    return CompileOptions(**{**fields, **paths, "sizes": sizes, "submodules": subs})
+
+
+# A background compile: what `sdiree compile` runs (its summary printed), on the fields of
+# CompiledArtifacts.options (argv[1], JSON).
+COMPILE_JOB = f"""
+import json, sys
+sys.path.insert(0, {str(ROOT / "tests")!r})
+from conftest import _compile_options
+from sdiree.compile.driver import compile_model
+compile_model(_compile_options(json.loads(sys.argv[1])))
+"""
+
+
 class CompiledArtifacts:
     """Compile-once cache keyed by (target, arch, dtype), with an optional queue of keys that a
     background process compiles one after another while the tests run. get() takes a queued key
     that the background has not started yet and compiles it itself, so both cores stay busy."""
 
-    def __init__(self, model: Path, root: Path, sizes: tuple = ()):
+    def __init__(self, model: Path, root: Path, sizes: tuple = (), submodules: tuple = ()):
         self.model = model
         self.root = root
         self.sizes = sizes  # `--sizes` besides the model's own, (height, width) px
+        self.submodules = submodules  # () is every submodule of the model's family
         self._done: dict = {}
         self._ahead: dict[tuple, Future] = {}  # started in the background
 
@@ -213,14 +240,19 @@ class CompiledArtifacts:
         more = "".join(f"+{h}x{w}" for h, w in self.sizes)
         return self.root / self.model.name / f"{target}-{arch}-{dtype}{more}"
 
-    def command(self, key: tuple) -> list[str]:
+    def options(self, key: tuple) -> dict:
+        """CompileOptions' fields (JSON-able) for the artifact of key."""
         target, arch, dtype = key
-        sizes = ["--sizes", ",".join(f"{w}x{h}" for h, w in self.sizes)] if self.sizes else []
-        return [
-            sys.executable, "-m", "sdiree.runtime.cli", "compile", str(self.model),
-            "--target", target, "--arch", arch, "--dtype", dtype,
-            "--out", str(self.out_dir(*key)), *sizes,
-        ]  # fmt: skip
+        return {
+            "model_dir": str(self.model), "target": target, "arch": arch, "dtype": dtype,
+            "out": str(self.out_dir(*key)), "sizes": [list(s) for s in self.sizes],
+            "submodules": list(self.submodules) or None,
+        }  # fmt: skip
+
+    def command(self, key: tuple) -> list[str]:
+        """A process compiling key's artifact as `sdiree compile` would (the CLI has no option
+        for a part of the submodules)."""
+        return [sys.executable, "-c", COMPILE_JOB, json.dumps(self.options(key))]
 
     def compile_ahead(self, keys) -> None:
         _AHEAD.add(self, keys)
@@ -240,20 +272,10 @@ class CompiledArtifacts:
             if code != 0:
                 raise RuntimeError(f"compile {key} failed (exit {code}):\n{output}")
         else:
-            from sdiree.compile.driver import CompileOptions, compile_model
+            from sdiree.compile.driver import compile_model
             from sdiree.compile.report import Reporter
 
-            compile_model(
-                CompileOptions(
-                    model_dir=self.model,
-                    target=target,
-                    arch=arch,
-                    dtype=dtype,
-                    out=self.out_dir(*key),
-                    sizes=self.sizes,
-                ),
-                Reporter(stream=io.StringIO()),
-            )
+            compile_model(_compile_options(self.options(key)), Reporter(stream=io.StringIO()))
         self._done[key] = self.out_dir(*key)
         return self._done[key]
 
@@ -301,7 +323,9 @@ def compiled_sdxl(tiny_sdxl_model, artifacts_root):
 def compiled_sizes(tiny_model, artifacts_root):
     """The tiny SD 1.x compiled at 64x64 and the SIZES too: queued for the background compile
     when tests/compile/test_compile_sizes.py is collected (after the others), else on first use."""
-    artifacts = CompiledArtifacts(tiny_model, artifacts_root, sizes=SIZES)
+    artifacts = CompiledArtifacts(
+        tiny_model, artifacts_root, sizes=SIZES, submodules=SIZES_SUBMODULES
+    )
     if _sizes_ahead_wanted:
         artifacts.compile_ahead(SIZES_AHEAD)
     yield artifacts
