@@ -392,16 +392,21 @@ def entry_bytes(archive, key: str) -> bytes:
         return f.read(e.length)
 
 
-def test_single_file_compiles_to_the_folders_image(compiled, single_files, tiny_model, tmp_path):
+def test_single_file_compiles_to_the_folders_image(
+    compiled, single_files, tiny_model, compile_cache
+):  # fmt: skip
     """End to end: the single file (with --config, the tiny model's own tokenizer) compiled to
-    artifacts/<stem>/..., and its image against the folder's artifact's."""
+    <artifacts root>/<stem>/..., and its image against the folder's artifact's. Its artifacts
+    root is the session's compile cache, where the build cache of the folder's compile lies
+    (beside the model caches): a compile without --out keeps it under its artifacts root, and
+    an empty one cost this test a whole compile."""
     from parity import psnr, sdiree_images
 
     from sdiree.compile.driver import CompileOptions, compile_model
     from sdiree.compile.report import Reporter
 
     folder_art = compiled.get("cpu", "host", "fp32")
-    root = tmp_path / "artifacts"
+    root = compile_cache
     log = io.StringIO()
     manifest = compile_model(
         CompileOptions(
