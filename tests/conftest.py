@@ -3,7 +3,7 @@ once per session (`compiled`, `compiled_sd2`, `compiled_sdxl`).
 
 Artifacts are compiled through the same code path as `sdiree compile` and cached for the whole
 test session, so compile tests and runtime tests share them. When the compile tests are
-collected, the artifacts they will ask for are queued for a background `sdiree compile`
+collected, the artifacts they will ask for are queued for a background compile
 process that works through them beside the tests, while a test that needs one not started yet
 compiles it itself: one compile keeps this 2-core machine ~1.1 cores busy (export is
 single-threaded), and these compiles are most of the suite's time. Their shared compile cache
@@ -143,7 +143,7 @@ def pytest_collection_modifyitems(items):
 
 
 class AheadQueue:
-    """One background worker for every model's queued compiles, one `sdiree compile` process
+    """One background worker for every model's queued compiles, one compile process
     at a time (a second one beside the tests would oversubscribe the 2 cores)."""
 
     def __init__(self):
