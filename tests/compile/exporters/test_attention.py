@@ -140,7 +140,7 @@ def test_gpu_attention_gets_matrix_cores_only_padded(
     from sdiree.runtime.targets import load_registry
 
     gpu = load_registry().target(target)
-    assert gpu.export_for("unet", "fp16", arch)["attention"] == "sdpa_pow2"
+    assert gpu.export_for("unet", "fp16", arch)["attention"] == "sdpa_pow2_keys"
     # the VAE's one head is 512 wide, a power of two already; sdpa_pow2 would only upcast its
     # softmax-upcast layer to an fp32 fused op (slower on an H200: tools/PERFORMANCE.md)
     assert gpu.export_for("vae_decoder", "fp16", arch)["attention"] == "sdpa"
