@@ -14,8 +14,9 @@ its parameters are written and encoded from its own weights as before.
     <root>/.modules/<key>.vmfb, <key>.encoder     a module and its encoder, where it has one
     <root>/.<kind>/<key>.record.json              written last: the entry is whole (sha256s)
 
-<root> is the folder holding the models' caches (`artifacts/` for the default --out,
-`$SDIREE_CACHE` for an explicit one). Files are hardlinked out (copied across filesystems);
+<root> is the user cache (sdiree.runtime.fileutil.user_cache_dir: `$SDIREE_CACHE`, else
+`${XDG_CACHE_HOME:-~/.cache}/sdiree`) for every compile, whatever its --out: a compile into
+`artifacts/` and one with --out share it. Files are hardlinked out (copied across filesystems);
 deleting these folders costs only the time to build again.
 """
 

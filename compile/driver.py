@@ -19,11 +19,13 @@ between artifacts, the exported MLIR and the parameter archives, lives in one ca
 
 <cache> is `artifacts/<model>/` for the default --out (`artifacts/<model>/<target>-...`), and
 for an explicit --out `$SDIREE_CACHE/<model>/`, `$SDIREE_CACHE` defaulting to
-`${XDG_CACHE_HOME:-~/.cache}/sdiree`. Beside the models' caches, in their parent folder, what
-models of one architecture share (compile/build_cache.py): exports, by the architecture, in
-`.exports/`, and compiled modules, by their MLIR, flags and specs, in `.modules/`; so a second
-SD 1.5 fine-tune writes and encodes its weights but neither exports nor runs iree-compile.
-Nothing else is written outside --out. Deleting the caches costs only the time to build again.
+`${XDG_CACHE_HOME:-~/.cache}/sdiree`. What models of one architecture share
+(compile/build_cache.py) lives in that user cache for every compile, whatever its --out, so a
+compile with --out and one without share it: exports, by the architecture, in
+`$SDIREE_CACHE/.exports/`, and compiled modules, by their MLIR, flags and specs, in
+`$SDIREE_CACHE/.modules/`; so a second SD 1.5 fine-tune writes and encodes its weights but
+neither exports nor runs iree-compile. Nothing else is written outside --out and these caches.
+Deleting the caches costs only the time to build again.
 """
 
 from __future__ import annotations
@@ -446,13 +448,15 @@ class Builder:
 
     @property
     def modules(self) -> BuildCache:
-        """Compiled modules shared by every model and artifact (compile/build_cache.py)."""
-        return BuildCache(self.plan.shared.parent, "modules")
+        """Compiled modules shared by every model and artifact (compile/build_cache.py), in
+        the user cache whatever --out is."""
+        return BuildCache(self.plan.build_root, "modules")
 
     @property
     def exports(self) -> BuildCache:
-        """Exports shared by every model of an architecture (compile/build_cache.py)."""
-        return BuildCache(self.plan.shared.parent, "exports")
+        """Exports shared by every model of an architecture (compile/build_cache.py), in the
+        user cache whatever --out is."""
+        return BuildCache(self.plan.build_root, "exports")
 
     def ensure_vmfb(
         self, submodule: str, mlir: Path, params: list[tuple[Path, str]], state: dict

@@ -2,8 +2,9 @@
 
 `resolve` reads the registry and the model folder (its family detected or refused), picks the
 arch, dtype and size, checks every input, and decides where files go: the artifact directory
-(`--out`) and the per-model compile cache (`artifacts/<model>/` for the default --out,
-`$SDIREE_CACHE/<model>/` for an explicit one; see compile/driver.py). It raises UserError and
+(`--out`), the per-model compile cache (`artifacts/<model>/` for the default --out,
+`$SDIREE_CACHE/<model>/` for an explicit one) and the build cache every compile shares, whatever
+its --out (the user cache, `$SDIREE_CACHE`; see compile/driver.py). It raises UserError and
 writes nothing; compile/driver.py then builds the Plan.
 """
 
@@ -76,6 +77,8 @@ class Plan:
     submodules: tuple[str, ...]
     configs: dict = field(default_factory=dict)
     explicit_out: bool = True  # --out given: the cache is the user's, not out's parent
+    # where the build cache lives (compile/build_cache.py): the user cache, for every --out
+    build_root: Path = field(default_factory=user_cache_dir)
     vae_tile: int = 0  # px; 0: the VAE modules take the whole image
     vae_file: Path | None = None  # --vae: its weights replace the model's VAE's
     extra_sizes: tuple[tuple[int, int], ...] = ()  # --sizes besides (height, width), px
@@ -244,6 +247,7 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
         submodules=submodules,
         configs=configs,
         explicit_out=opts.out is not None,
+        build_root=user_cache_dir(),
         vae_tile=vae_tile,
         vae_file=_vae_file(opts.vae),
         extra_sizes=extra_sizes,

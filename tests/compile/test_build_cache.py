@@ -136,6 +136,41 @@ def test_another_model_of_the_architecture_reuses_exports_and_modules(
     assert psnr(first, ref) < 30.0  # the first model's image is not the second's
 
 
+def test_compiles_with_and_without_out_share_the_user_cache(
+    tiny_model, other_model, tmp_path, monkeypatch
+):
+    """The build cache is the user cache's for every compile, whatever --out is: a compile into
+    an artifacts root (no --out) stores its export and module there, and a compile of another
+    model of the architecture with --out into another root reuses both (hardlinked out). Only
+    the text encoder, from an empty user cache: cheap, and no other test's entry helps."""
+    cache = tmp_path / "user-cache"
+    monkeypatch.setenv("SDIREE_CACHE", str(cache))
+
+    def build(model, **where):
+        rep = Reporter(stream=io.StringIO())
+        opts = CompileOptions(model, "cpu", arch="host", dtype="fp32", **where)
+        opts.submodules = ("text_encoder",)
+        manifest = compile_model(opts, rep)
+        status = {(r.stage, r.item): r.status for r in rep.records}
+        return manifest.parent, status, rep.stream.getvalue()
+
+    root_a = tmp_path / "root-a"
+    first, status, _ = build(tiny_model, artifacts_root=root_a)
+    assert first.parent == root_a.absolute() / tiny_model.name  # the default --out
+    assert status[("export", "text_encoder")] == status[("compile", "text_encoder")] == "done"
+    assert not (root_a / ".exports").exists() and not (root_a / ".modules").exists()
+    (module,) = (cache / ".modules").glob("*.vmfb")
+    assert list((cache / ".exports").glob("*.mlirbc"))
+    assert os.path.samefile(first / "text_encoder.vmfb", module)
+
+    second, status, log = build(other_model, out=tmp_path / "root-b" / "art")
+    assert status[("export", "text_encoder")] == status[("compile", "text_encoder")] == "reused"
+    assert "exported before for a model of this architecture" in log
+    assert "compiled before for the same MLIR" in log
+    assert os.path.samefile(second / "text_encoder.vmfb", module)  # linked out, no extra disk
+    assert [p.name for p in (cache / ".modules").glob("*.vmfb")] == [module.name]
+
+
 def _builder(model, tmp_path):
     from sdiree.compile.driver import Builder, resolve
 

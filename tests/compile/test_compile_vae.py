@@ -49,20 +49,26 @@ def _image(art, out, **kw):
     return np.asarray(img.convert("RGB")), img.text["parameters"]
 
 
-def test_compiled_in_vae_equals_the_run_time_one(
-    compiled, tiny_model, vae_file, tmp_path, monkeypatch
-):
+def test_compiled_in_vae_equals_the_run_time_one(compiled, tiny_model, vae_file, tmp_path):
     from sdiree.compile.driver import CompileOptions, compile_model
     from sdiree.compile.report import Reporter
 
     plain_art = compiled.get("cpu", "host", "fp32")
-    # a compile cache of its own: the session's is copied and checked file by file elsewhere
-    monkeypatch.setenv("SDIREE_CACHE", str(tmp_path / "cache"))
-    art = tmp_path / "with-vae"
-    compile_model(
-        CompileOptions(model_dir=tiny_model, target="cpu", dtype="fp32", out=art, vae=vae_file),
+    # The model's compile cache (its archives with this VAE) is the test's own, under an
+    # artifacts root of its own (the default --out): the session's is copied and checked file by
+    # file elsewhere. The build cache is the session's user cache, whatever --out is, so the
+    # exports and modules of the plain artifact (the same architecture) are reused.
+    manifest = compile_model(
+        CompileOptions(
+            model_dir=tiny_model,
+            target="cpu",
+            dtype="fp32",
+            artifacts_root=tmp_path / "artifacts",
+            vae=vae_file,
+        ),
         Reporter(stream=io.StringIO()),
     )
+    art = manifest.parent
     ours, params = _image(art, tmp_path / "a.png")
     at_run, _ = _image(plain_art, tmp_path / "b.png", vae=vae_file)
     plain, _ = _image(plain_art, tmp_path / "c.png")

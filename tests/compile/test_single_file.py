@@ -397,9 +397,8 @@ def test_single_file_compiles_to_the_folders_image(
 ):  # fmt: skip
     """End to end: the single file (with --config, the tiny model's own tokenizer) compiled to
     <artifacts root>/<stem>/..., and its image against the folder's artifact's. Its artifacts
-    root is the session's compile cache, where the build cache of the folder's compile lies
-    (beside the model caches): a compile without --out keeps it under its artifacts root, and
-    an empty one cost this test a whole compile."""
+    root is the session's compile cache; the build cache of the folder's compile is reused
+    whatever the root, as every compile keeps it in the user cache ($SDIREE_CACHE)."""
     from parity import psnr, sdiree_images
 
     from sdiree.compile.driver import CompileOptions, compile_model

@@ -76,14 +76,42 @@ def make_image(art: Path, png: Path, env, cwd) -> np.ndarray:
     return np.asarray(Image.open(png))
 
 
+# The one submodule whose module the test's compile builds (iree-compile runs, under the
+# test's cwd and HOME); the others' come from the seeded build cache.
+COMPILED_AGAIN = "text_encoder"
+
+
+def seed_modules(build_cache: Path, art: Path, dest: Path, skip: str) -> list[str]:
+    """Copy into dest/.modules the build cache's entries of art's modules (the artifact's vmfbs
+    are hardlinks of them, or equal copies), but skip's; returns the submodules seeded."""
+    seeded = set()
+    modules = [m for m in art.glob("*.vmfb") if m.stem != skip and not m.stem.endswith(".encoder")]
+    for record in (build_cache / ".modules").glob("*.record.json"):
+        stem = record.name.removesuffix(".record.json")
+        vmfb = record.with_name(f"{stem}.vmfb")
+        for module in modules:
+            if vmfb.is_file() and (
+                os.path.samefile(vmfb, module) or vmfb.read_bytes() == module.read_bytes()
+            ):
+                (dest / ".modules").mkdir(parents=True, exist_ok=True)
+                for part in build_cache.joinpath(".modules").glob(f"{stem}.*"):
+                    shutil.copy2(part, dest / ".modules" / part.name)
+                seeded.add(module.stem)
+    return sorted(seeded)
+
+
 @pytest.mark.slow
 def test_copied_artifact_runs_without_the_original_or_the_cache(compiled, compile_cache, tmp_path):
     # The default cache (no $SDIREE_CACHE), under a private HOME; seeded with the session's
-    # exports so that only the modules compile again.
-    compiled.get("cpu", "host", "fp32")
+    # exports (the model's cache) and with its modules but one, so that only that one compiles
+    # again (the build cache is the user cache's, compile/build_cache.py).
+    art = compiled.get("cpu", "host", "fp32")
     home, cwd = tmp_path / "home", tmp_path / "cwd"
     cache = home / ".cache" / "sdiree"
     shutil.copytree(compile_cache / "tiny-sd", cache / "tiny-sd")
+    others = sorted(p.stem for p in art.glob("*.vmfb") if not p.stem.endswith(".encoder"))
+    others.remove(COMPILED_AGAIN)
+    assert seed_modules(compile_cache, art, cache, COMPILED_AGAIN) == others
     cwd.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("SDIREE_CACHE", "XDG_CACHE_HOME")}
     env["HOME"] = str(home)
