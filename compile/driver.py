@@ -635,6 +635,7 @@ class Builder:
         LoRA is re-packed in numpy from its first use; nothing saved when it cannot be learned
         (the runtime then runs the encoder)."""
         from sdiree.runtime.weights.encoder import driver_device
+        from sdiree.runtime.weights.layout import BUDGET_ENV, budget_s
         from sdiree.runtime.weights.repack import learn_layout
 
         from .exporters import scope_for
@@ -653,6 +654,12 @@ class Builder:
         if learned is None:
             layout.unlink(missing_ok=True)
         else:
+            if learned.gave_up:
+                self.r.say(
+                    f"{submodule}: its encoder's layout was not learned within "
+                    f"${BUDGET_ENV} ({budget_s():.0f} s): saved as incomplete, so its original "
+                    "archive is not pruned and a LoRA on it runs the encoder"
+                )
             learned.save(layout)
 
 

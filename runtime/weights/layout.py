@@ -17,6 +17,8 @@ weights all of whose regions verified. Anything else goes through the encoder.
 from __future__ import annotations
 
 import json
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +32,22 @@ CODES = 2 * SPAN
 FORMAT_VERSION = 1
 PAD, FOREIGN = -1, -2
 SCAN_MIN, SCAN_MAX = 1 << 10, 1 << 22  # words decoded at once while scanning
+# Seconds one layout may take to learn; past them it is given up as incomplete (no pruning, the
+# encoder for a LoRA), as the full-size bf16 UNet on an avx512_bf16 CPU would take hours
+# (compile/NOTES.md). The fp32 SD 1.5 UNet's takes ~450 s.
+BUDGET_ENV, BUDGET_DEFAULT_S = "SDIREE_LAYOUT_BUDGET_S", 1800.0
+
+
+class BudgetSpent(Exception):
+    """learn_entry ran past its deadline."""
+
+
+def budget_s() -> float:
+    """The layout budget in seconds: $SDIREE_LAYOUT_BUDGET_S, else BUDGET_DEFAULT_S."""
+    try:
+        return float(os.environ.get(BUDGET_ENV) or BUDGET_DEFAULT_S)
+    except ValueError:
+        return BUDGET_DEFAULT_S
 
 
 @dataclass(frozen=True)
@@ -98,6 +116,7 @@ class Layout:
     entries: dict[str, list[Region]] = field(default_factory=dict)
     complete: bool = False
     unverified: set[str] = field(default_factory=set)  # params with a region that did not
+    gave_up: bool = False  # learning ran past budget_s() (not saved: the layout is incomplete)
 
     def regions_of(self) -> dict[str, list[tuple[str, Region]]]:
         out: dict[str, list[tuple[str, Region]]] = {}
@@ -346,9 +365,11 @@ def learn_entry(
     shapes: dict[str, tuple[int, ...]],
     itemsize: int = 4,
     release=None,
+    deadline: float | None = None,
 ):
     """(regions, failed params, unexplained byte spans) of one coded output entry (uint8),
-    read front to back; release(coded, start, end), if given, is told the bytes behind."""
+    read front to back; release(coded, start, end), if given, is told the bytes behind.
+    Raises BudgetSpent once time.monotonic() passes deadline."""
     words = coded[: len(coded) // 4 * 4].view(np.uint32)
     n = len(words)
     regions: list[Region] = []
@@ -356,6 +377,8 @@ def learn_entry(
     other: list[tuple[int, int]] = []
     pos = released = 0
     while pos < n:
+        if deadline is not None and time.monotonic() > deadline:
+            raise BudgetSpent
         if release is not None and pos - released >= 1 << 24:
             release(coded, released * 4, pos * 4)
             released = pos
@@ -489,9 +512,15 @@ def _analyse(coded_views, real_views, params, bases, shapes, weight, derived) ->
     decoder = _Decoder(bases, shapes)
     layout = Layout(complete=set(coded_views) == set(real_views))
     layout.unverified |= set(params) - set(bases)
+    deadline = time.monotonic() + budget_s()
     for entry, coded in coded_views.items():
         real = real_views.get(entry)
-        regions, failed, _ = learn_entry(coded, decoder, shapes, release=release_pages)
+        try:
+            regions, failed, _ = learn_entry(
+                coded, decoder, shapes, release=release_pages, deadline=deadline
+            )
+        except BudgetSpent:  # nothing of it is trusted: every weight goes through the encoder
+            return Layout(complete=False, unverified=set(params), gave_up=True)
         layout.unverified |= failed
         by_param: dict[str, list[Region]] = {}
         for r in regions:

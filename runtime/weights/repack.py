@@ -21,7 +21,7 @@ import numpy as np
 
 from ..fileutil import remove_stale_temps, sha256_json, temp_path_for, user_cache_dir
 from .archive import Archive
-from .layout import Layout, codable, learn, repack
+from .layout import BUDGET_ENV, Layout, codable, learn, repack
 from .pages import entry_views, splat_entries
 from .winograd import base_key, winograd_weight
 
@@ -73,7 +73,8 @@ def layout_for(manifest, name: str, device, report: Callable[[str], None]) -> La
     report(
         f"{name}: layout learned in {time.perf_counter() - t0:.1f}s "
         f"({'complete' if layout.complete else 'incomplete'}, "
-        f"{len(layout.unverified)} weights not verified)"
+        f"{len(layout.unverified)} weights not verified"
+        f"{f', given up past {BUDGET_ENV}' if layout.gave_up else ''})"
     )
     return layout
 

@@ -13,6 +13,7 @@ import json
 import shutil
 
 import numpy as np
+import pytest
 
 from sdiree.runtime.device_select import choose_device
 from sdiree.runtime.manifest import load_manifest
@@ -97,6 +98,41 @@ def test_more_elements_than_codes_learn_no_layout(compiled, monkeypatch, tmp_pat
     args = (art / "unet.encoder.vmfb", [art / "unet.irpa"], {}, art / "unet.encoded.irpa")
     learned = repack.learn_layout(*args, "unet", "unet_encoded", None, tmp_path / "work.irpa")
     assert learned is None and not list(tmp_path.iterdir())
+
+
+def test_learning_past_its_budget_gives_up_as_incomplete(compiled, monkeypatch, tmp_path):
+    """A layout that takes longer than $SDIREE_LAYOUT_BUDGET_S to learn is given up: an
+    incomplete layout that covers nothing (so nothing is pruned by it and a LoRA runs the
+    encoder), not a compile that runs for hours; its temp files removed. In budget, the same
+    encoder's layout is complete (the text encoder's: no derived weights)."""
+    from sdiree.runtime.weights.encoder import driver_device
+
+    art = compiled.get("cpu", "host", "fp32")
+    sub = load_manifest(art).submodules["text_encoder"]
+    own = [art / p for p, s in sub.archives() if s == sub.scope]
+    (encoded,) = [art / p for p, s in sub.archives() if s == sub.encoder.scope]
+    args = (art / sub.encoder.vmfb, own, {}, encoded, sub.scope, sub.encoder.scope)
+    device = driver_device("local-task")
+
+    monkeypatch.setenv(layout.BUDGET_ENV, "0")
+    learned = repack.learn_layout(*args, device, tmp_path / "work.irpa")
+    params = {k for a in own for k in Archive(a).entries}
+    assert learned.gave_up and not learned.complete and not learned.entries
+    assert learned.unverified == params and not learned.covers([next(iter(params))])
+    assert not list(tmp_path.iterdir())
+
+    monkeypatch.setenv(layout.BUDGET_ENV, "3600")
+    learned = repack.learn_layout(*args, device, tmp_path / "work.irpa")
+    assert learned.complete and not learned.gave_up and learned.entries
+
+
+def test_learn_entry_stops_at_its_deadline():
+    shapes = {"w": (20, 3)}
+    coded = _codes([("w", np.arange(60))], {"w": 0})
+    regions, _, _ = learn_entry(coded, _Decoder({"w": 0}, shapes), shapes, deadline=1e18)
+    assert [r.param for r in regions] == ["w"]
+    with pytest.raises(layout.BudgetSpent):
+        learn_entry(coded, _Decoder({"w": 0}, shapes), shapes, deadline=0.0)
 
 
 def test_a_padded_tiled_pack_is_found_and_a_shuffle_is_not():
