@@ -247,7 +247,6 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
         submodules=submodules,
         configs=configs,
         explicit_out=opts.out is not None,
-        build_root=user_cache_dir(),
         vae_tile=vae_tile,
         vae_file=_vae_file(opts.vae),
         extra_sizes=extra_sizes,

@@ -85,18 +85,20 @@ def seed_modules(build_cache: Path, art: Path, dest: Path, skip: str) -> list[st
     """Copy into dest/.modules the build cache's entries of art's modules (the artifact's vmfbs
     are hardlinks of them, or equal copies), but skip's; returns the submodules seeded."""
     seeded = set()
-    modules = [m for m in art.glob("*.vmfb") if m.stem != skip and not m.stem.endswith(".encoder")]
+    by_bytes = {  # each file read once
+        m.read_bytes(): m.stem
+        for m in art.glob("*.vmfb")
+        if m.stem != skip and not m.stem.endswith(".encoder")
+    }
     for record in (build_cache / ".modules").glob("*.record.json"):
         stem = record.name.removesuffix(".record.json")
         vmfb = record.with_name(f"{stem}.vmfb")
-        for module in modules:
-            if vmfb.is_file() and (
-                os.path.samefile(vmfb, module) or vmfb.read_bytes() == module.read_bytes()
-            ):
-                (dest / ".modules").mkdir(parents=True, exist_ok=True)
-                for part in build_cache.joinpath(".modules").glob(f"{stem}.*"):
-                    shutil.copy2(part, dest / ".modules" / part.name)
-                seeded.add(module.stem)
+        module = by_bytes.get(vmfb.read_bytes()) if vmfb.is_file() else None
+        if module is not None:
+            (dest / ".modules").mkdir(parents=True, exist_ok=True)
+            for part in build_cache.joinpath(".modules").glob(f"{stem}.*"):
+                shutil.copy2(part, dest / ".modules" / part.name)
+            seeded.add(module)
     return sorted(seeded)
 
 
