@@ -635,7 +635,7 @@ class Builder:
         LoRA is re-packed in numpy from its first use; nothing saved when it cannot be learned
         (the runtime then runs the encoder)."""
         from sdiree.runtime.weights.encoder import driver_device
-        from sdiree.runtime.weights.layout import BUDGET_ENV, budget_s
+        from sdiree.runtime.weights.layout import BUDGET_ENV, budget_s, narrow_dtype
         from sdiree.runtime.weights.repack import learn_layout
 
         from .exporters import scope_for
@@ -650,6 +650,7 @@ class Builder:
             driver_device(self.encoder_driver),
             temp_path_for(layout.with_suffix(".irpa")),
             derived_archives=archives[1:],
+            narrow=narrow_dtype(self.plan.dtype),
         )
         if learned is None:
             layout.unlink(missing_ok=True)

@@ -29,6 +29,13 @@ CODE_END = 0x7F800000  # +inf: codes stay below
 SIGN = 0x80000000  # codes past the positive normals go on with the negative ones
 SPAN = CODE_END - CODE_BASE
 CODES = 2 * SPAN
+# A narrow encoder (bf16 contractions) rounds what it packs to bf16, which keeps 16 bits of a
+# code: its weights are coded twice, each element's index as two base-CODES16 digits, each a
+# bf16 number (exact in float32 and bf16) that names its digit the same way (code16_words).
+CODE16_BASE, CODE16_END, SIGN16 = 0x0080, 0x7F80, 0x8000
+SPAN16 = CODE16_END - CODE16_BASE
+CODES16 = 2 * SPAN16
+NONCODE = -2  # a unit neither zero nor a code (of two runs)
 FORMAT_VERSION = 1
 PAD, FOREIGN = -1, -2
 SCAN_MIN, SCAN_MAX = 1 << 10, 1 << 22  # words decoded at once while scanning
@@ -36,6 +43,12 @@ SCAN_MIN, SCAN_MAX = 1 << 10, 1 << 22  # words decoded at once while scanning
 # encoder for a LoRA), as the full-size bf16 UNet on an avx512_bf16 CPU would take hours
 # (compile/NOTES.md). The fp32 SD 1.5 UNet's takes ~450 s.
 BUDGET_ENV, BUDGET_DEFAULT_S = "SDIREE_LAYOUT_BUDGET_S", 1800.0
+
+
+def narrow_dtype(dtype: str) -> bool:
+    """Whether an artifact of this dtype packs weights in bf16: cpu's bf16 demotes every
+    contraction's inputs to bf16, and its encoder rounds the packed weights (learn(narrow))."""
+    return dtype == "bf16"
 
 
 class BudgetSpent(Exception):
@@ -62,6 +75,15 @@ class Region:
     shape: tuple[int, ...]
     levels: tuple[tuple[int, int, int], ...]
     origin: tuple[int, ...] = ()  # () is every dim's 0
+    dtype: str = "f32"  # the packed copy's elements: "f32", or "bf16" (rounded to nearest even)
+
+    @property
+    def itemsize(self) -> int:
+        return 2 if self.dtype == "bf16" else 4
+
+    def cast(self, packed: np.ndarray) -> np.ndarray:
+        """A float32 packed copy in the region's element type (bf16: its uint16 bits)."""
+        return to_bf16(packed) if self.dtype == "bf16" else packed
 
     def start(self) -> tuple[int, ...]:
         return self.origin or (0,) * len(self.shape)
@@ -101,12 +123,24 @@ class Region:
 
     def to_json(self) -> list:
         j = [self.param, self.offset, list(self.shape), [list(x) for x in self.levels]]
+        if self.dtype != "f32":
+            return [*j, list(self.origin), self.dtype]
         return j + [list(self.origin)] if any(self.origin) else j
 
     @staticmethod
     def from_json(j) -> Region:
-        origin = tuple(int(x) for x in j[4]) if len(j) > 4 else ()
-        return Region(str(j[0]), int(j[1]), tuple(j[2]), tuple(tuple(x) for x in j[3]), origin)
+        origin = tuple(int(x) for x in j[4]) if len(j) > 4 and any(j[4]) else ()
+        dtype = str(j[5]) if len(j) > 5 else "f32"
+        if dtype not in ("f32", "bf16"):
+            raise ValueError(f"region of unknown element type {dtype!r}")
+        levels = tuple(tuple(x) for x in j[3])
+        return Region(str(j[0]), int(j[1]), tuple(j[2]), levels, origin, dtype)
+
+
+def to_bf16(a: np.ndarray) -> np.ndarray:
+    """The uint16 bits of float32 a rounded to bf16, to nearest even (as the encoder rounds)."""
+    b = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 @dataclass
@@ -166,6 +200,23 @@ def code_words(start: int, stop: int) -> np.ndarray:
     return np.where(i < SPAN, CODE_BASE + i, SIGN + CODE_BASE + i - SPAN).astype(np.uint32)
 
 
+def code16_words(i: np.ndarray) -> np.ndarray:
+    """The uint16 bf16 code of each digit in i (int64, < CODES16): the normal bf16 numbers,
+    positive then negative."""
+    i = np.asarray(i, np.int64)
+    return np.where(i < SPAN16, CODE16_BASE + i, SIGN16 + CODE16_BASE + i - SPAN16).astype(
+        np.uint16
+    )
+
+
+def code16_index(u: np.ndarray) -> np.ndarray:
+    """The digit (int64) of each uint16 bf16 code, -1 where it is none."""
+    w = u.astype(np.int64)
+    mag = w & (SIGN16 - 1)
+    ok = (mag >= CODE16_BASE) & (mag < CODE16_END)
+    return np.where(ok, mag - CODE16_BASE + np.where(w >= SIGN16, SPAN16, 0), -1)
+
+
 def code_index(words: np.ndarray) -> np.ndarray:
     """The code index (int64) of each uint32 word, -1 where it is no code (zero, a
     subnormal, inf or NaN of either sign)."""
@@ -175,19 +226,21 @@ def code_index(words: np.ndarray) -> np.ndarray:
     return np.where(ok, mag - CODE_BASE + np.where(w >= SIGN, SPAN, 0), -1)
 
 
-def codable(params: dict[str, tuple[tuple[int, ...], np.dtype]]) -> bool:
-    """Whether params have float32 weights to code, and no more of their elements than codes."""
+def codable(params: dict[str, tuple[tuple[int, ...], np.dtype]], narrow: bool = False) -> bool:
+    """Whether params have float32 weights to code, and no more of their elements than codes
+    (two digits' worth where narrow)."""
     n = [int(np.prod(s, dtype=np.int64)) for s, d in params.values() if np.dtype(d) == np.float32]
-    return bool(n) and sum(n) <= CODES
+    return bool(n) and sum(n) <= (min(CODES, CODES16**2) if narrow else CODES)
 
 
 def write_coded_archive(
-    params: dict[str, tuple[tuple[int, ...], np.dtype]], weight, path: Path
+    params: dict[str, tuple[tuple[int, ...], np.dtype]], weight, path: Path, digit=None
 ) -> dict[str, int]:
     """Write at path an archive of every param, the float32 ones coded (each element's bits
-    the code of its index among all coded elements, code_words), the others with their real bytes
-    (`weight(key)`); returns {coded key: first code index}. Written a chunk at a time, so the
-    SD 1.5-size UNet's 7.8 GB of coded inputs never sit in memory."""
+    the code of its index among all coded elements, code_words; or, given a digit, 0 or 1, that
+    base-CODES16 digit of the index as a bf16 code, code16_words), the others with their real
+    bytes (`weight(key)`); returns {coded key: first code index}. Written a chunk at a time, so
+    the SD 1.5-size UNet's 7.8 GB of coded inputs never sit in memory."""
     import os
 
     import iree.runtime as rt
@@ -212,7 +265,12 @@ def write_coded_archive(
                 if at + n > CODES:
                     raise ValueError(f"more than {CODES} float32 elements to code")
                 for i in range(0, n, chunk):
-                    codes = code_words(at + i, at + min(n, i + chunk))
+                    if digit is None:
+                        codes = code_words(at + i, at + min(n, i + chunk))
+                    else:
+                        idx = np.arange(at + i, at + min(n, i + chunk), dtype=np.int64)
+                        d = idx // CODES16**digit % CODES16
+                        codes = code16_words(d).astype(np.uint32) << 16
                     _pwrite(fd, codes.view(np.uint8), offsets[key] + 4 * i)
                 bases[key] = at
                 at += n
@@ -224,6 +282,38 @@ def write_coded_archive(
     return bases
 
 
+class _Units:
+    """An entry's coded output as units: float32 words coded by one run (`code_words`), or, from
+    two runs' bf16 digits (`code16_words`, low digit first), float32 words (`itemsize` 4; a
+    word's low half zero in both) or bf16 halves (2: weights packed in bf16). index(a, b): each
+    unit's code index, -1 where it holds none; from two runs, NONCODE where it holds something
+    else (a bf16 pair read as a word: no padding, it ends a float32 region)."""
+
+    def __init__(self, runs: list[np.ndarray], itemsize: int):
+        dtype = np.uint32 if itemsize == 4 else np.uint16
+        self.runs = [r[: len(r) // itemsize * itemsize].view(dtype) for r in runs]
+        self.itemsize = itemsize
+        self.n = len(self.runs[0])
+
+    def nonzero(self, a: int, b: int) -> np.ndarray:
+        nz = self.runs[0][a:b] != 0
+        for r in self.runs[1:]:
+            nz |= r[a:b] != 0
+        return nz
+
+    def index(self, a: int, b: int) -> np.ndarray:
+        if len(self.runs) == 1:
+            return code_index(self.runs[0][a:b])
+        lo, hi = (self._digit(r[a:b]) for r in self.runs)
+        none = np.where(self.nonzero(a, b), NONCODE, -1)
+        return np.where((lo >= 0) & (hi >= 0), hi * CODES16 + lo, none)
+
+    def _digit(self, u: np.ndarray) -> np.ndarray:
+        if self.itemsize == 2:
+            return code16_index(u)
+        return np.where((u & 0xFFFF) == 0, code16_index((u >> 16).astype(np.uint16)), -1)
+
+
 class _Decoder:
     """Maps output codes back to (param index, element index)."""
 
@@ -233,30 +323,31 @@ class _Decoder:
         self.starts = np.array([bases[k] for k in order], np.int64)
         self.sizes = np.array([int(np.prod(shapes[k], dtype=np.int64)) for k in order], np.int64)
 
-    def decode(self, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(param index or -1, element index) per uint32 word; -1/-1 for zero (padding)."""
+    def decode(self, rel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(param index or -1, element index) per code index (-1: none); -1/-1 for none."""
         if len(self.starts) == 0:  # nothing was coded
-            none = np.full(len(words), -1, np.int64)
+            none = np.full(len(rel), -1, np.int64)
             return none, none
-        rel = code_index(words)
         p = np.searchsorted(self.starts, rel, side="right") - 1
         pc = np.clip(p, 0, len(self.starts) - 1)
         elem = rel - self.starts[pc]
         ok = (rel >= 0) & (p >= 0) & (elem < self.sizes[pc])
         return np.where(ok, pc, -1), np.where(ok, elem, -1)
 
-    def elements(self, words: np.ndarray, p: int) -> np.ndarray:
-        """int32 element indices of weight p in words (PAD for padding), cut at the first code
-        of another weight (FOREIGN ends a region). Decoded in chunks: regions reach 200M words."""
-        out = np.empty(len(words), np.int32)
+    def elements(self, units: _Units, a: int, b: int, p: int) -> np.ndarray:
+        """int32 element indices of weight p in units [a, b) (PAD for padding), cut at the first
+        code of another weight (FOREIGN ends a region). Decoded in chunks: regions reach 200M
+        units."""
+        out = np.empty(b - a, np.int32)
         chunk = 1 << 24
-        for a in range(0, len(words), chunk):
-            pw, ew = self.decode(words[a : a + chunk])
-            foreign = np.flatnonzero((pw != p) & (pw >= 0))
+        for c in range(a, b, chunk):
+            rel = units.index(c, min(b, c + chunk))
+            pw, ew = self.decode(rel)
+            foreign = np.flatnonzero(((pw != p) & (pw >= 0)) | (rel == NONCODE))
             stop = int(foreign[0]) if len(foreign) else len(pw)
-            out[a : a + stop] = np.where(pw[:stop] == p, ew[:stop], PAD)
+            out[c - a : c - a + stop] = np.where(pw[:stop] == p, ew[:stop], PAD)
             if len(foreign):
-                return out[: a + stop]
+                return out[: c - a + stop]
         return out
 
 
@@ -363,15 +454,19 @@ def learn_entry(
     coded: np.ndarray,
     decoder: _Decoder,
     shapes: dict[str, tuple[int, ...]],
-    itemsize: int = 4,
     release=None,
     deadline: float | None = None,
+    coded2: np.ndarray | None = None,
 ):
     """(regions, failed params, unexplained byte spans) of one coded output entry (uint8),
-    read front to back; release(coded, start, end), if given, is told the bytes behind.
-    Raises BudgetSpent once time.monotonic() passes deadline."""
-    words = coded[: len(coded) // 4 * 4].view(np.uint32)
-    n = len(words)
+    read front to back: one run's float32 codes, or with coded2 two runs' bf16 digits (a
+    narrow encoder: weights packed in bf16 or float32). release(coded, start, end), if given,
+    is told the bytes behind. Raises BudgetSpent once time.monotonic() passes deadline."""
+    runs = [coded] if coded2 is None else [coded, coded2]
+    # the units scanned (the finest), and where a code may start a float32 region instead
+    fine = _Units(runs, 4 if coded2 is None else 2)
+    wide = _Units(runs, 4) if coded2 is not None else None
+    n = fine.n
     regions: list[Region] = []
     failed: set[str] = set()
     other: list[tuple[int, int]] = []
@@ -380,17 +475,18 @@ def learn_entry(
         if deadline is not None and time.monotonic() > deadline:
             raise BudgetSpent
         if release is not None and pos - released >= 1 << 24:
-            release(coded, released * 4, pos * 4)
+            for r in runs:
+                release(r, released * fine.itemsize, pos * fine.itemsize)
             released = pos
-        # the next coded word: read in windows that grow while none is found, so the search
-        # costs what it skips, whether codes come close together or 100M words apart
+        # the next coded unit: read in windows that grow while none is found, so the search
+        # costs what it skips, whether codes come close together or 100M units apart
         j, chunk = None, SCAN_MIN
         while pos < n:
-            p, e = decoder.decode(words[pos : pos + chunk])
+            p, e = decoder.decode(fine.index(pos, pos + chunk))
             hit = np.flatnonzero(p >= 0)
-            nz = np.flatnonzero(words[pos : pos + (int(hit[0]) if len(hit) else chunk)] != 0)
+            nz = np.flatnonzero(fine.nonzero(pos, pos + (int(hit[0]) if len(hit) else chunk)))
             if len(nz):
-                other.append((pos * 4, (pos + int(nz[-1]) + 1) * 4))
+                other.append((pos * fine.itemsize, (pos + int(nz[-1]) + 1) * fine.itemsize))
             if len(hit):
                 j = pos + int(hit[0])
                 break
@@ -398,59 +494,70 @@ def learn_entry(
             chunk = min(2 * chunk, SCAN_MAX)
         if j is None:
             break
-        p, e = decoder.decode(words[j : j + 1])
-        key = decoder.keys[int(p[0])]
-        shape = squeeze(shapes[key])
-        size = int(np.prod(shape, dtype=np.int64))
-        first = int(e[0])  # a slice of the weight starts past its element 0
-        if first and (len(shape) < 2 or first % shape[-1]):  # no slice: a stray code
-            failed.add(key)
-            pos = j + _run_of(decoder, words, j, int(p[0]))
-            continue
-        # a region is its weight plus padding: read a little more than the weight, and more
-        # only while the region may go on past what was read (up to 4x the weight)
-        region, span = None, size + (1 << 16)
-        while region is None:
-            end = min(n, j + span)
-            E = decoder.elements(words[j:end], int(p[0]))
-            bounded = end == n or len(E) < end - j  # ends at the data's end or another weight
-            rel = np.where(E >= 0, E - first, E) if first else E
-            for cand in merged_shapes(shape):
-                origin = tuple(int(x) for x in np.unravel_index(first, cand)) if first else ()
-                levels = infer_levels(rel, cand) or ()
-                # the outer levels may have run on into the weight's next slice: without them,
-                # the region is the slice
-                for k in range(len(levels)):
-                    r = Region(key, j * itemsize, cand, levels[k:], origin)
-                    if _check(r, E, part=bool(first or k)):
-                        region = r
-                        break
-                if region is not None:
-                    break
-            if region is not None or bounded or span >= 4 * size + (1 << 16):
-                break
-            span = 4 * size + (1 << 16)
+        p = int(decoder.decode(fine.index(j, j + 1))[0][0])
+        region = None
+        if wide is not None and j % 2:  # a float32 word's code is in its high half
+            region = _region_at(wide, j // 2, decoder, shapes)
         if region is None:
-            failed.add(key)
-            pos = j + _run_of(decoder, words, j, int(p[0]))
+            region = _region_at(fine, j, decoder, shapes)
+        if region is None:
+            failed.add(decoder.keys[p])
+            pos = j + _run_of(decoder, fine, j, p)
             continue
         regions.append(region)
-        pos = j + region.size()
+        pos = (region.offset + region.size() * region.itemsize) // fine.itemsize
     return regions, failed, other
 
 
-def _run_of(decoder: _Decoder, words: np.ndarray, j: int, p: int) -> int:
-    """Length of the stretch of words from j holding weight p's codes or padding (windows
-    growing as in learn_entry: a stretch may be one word or 100M)."""
+def _region_at(units: _Units, j: int, decoder: _Decoder, shapes) -> Region | None:
+    """The region that starts at unit j (a code), or None."""
+    p, e = (int(x[0]) for x in decoder.decode(units.index(j, j + 1)))
+    if p < 0:
+        return None
+    key = decoder.keys[p]
+    shape = squeeze(shapes[key])
+    size = int(np.prod(shape, dtype=np.int64))
+    first = e  # a slice of the weight starts past its element 0
+    if first and (len(shape) < 2 or first % shape[-1]):  # no slice: a stray code
+        return None
+    dtype = "f32" if units.itemsize == 4 else "bf16"
+    # a region is its weight plus padding: read a little more than the weight, and more
+    # only while the region may go on past what was read (up to 4x the weight). A slice (of
+    # a split Winograd conv's 16 or 36) is read as one slice first: read as the whole weight,
+    # each slice decoded the whole weight's worth, 16x the words (hours for a bf16 UNet).
+    one = int(np.prod(shape[1:], dtype=np.int64)) if first else size
+    for span in dict.fromkeys(x + (1 << 16) for x in (one, size, 4 * size)):
+        end = min(units.n, j + span)
+        E = decoder.elements(units, j, end, p)
+        bounded = end == units.n or len(E) < end - j  # ends at the data's end or another weight
+        rel = np.where(E >= 0, E - first, E) if first else E
+        for cand in merged_shapes(shape):
+            origin = tuple(int(x) for x in np.unravel_index(first, cand)) if first else ()
+            levels = infer_levels(rel, cand) or ()
+            # the outer levels may have run on into the weight's next slice: without them,
+            # the region is the slice
+            for k in range(len(levels)):
+                r = Region(key, j * units.itemsize, cand, levels[k:], origin, dtype)
+                if _check(r, E, part=bool(first or k)):
+                    return r
+        if bounded:
+            return None
+    return None
+
+
+def _run_of(decoder: _Decoder, units: _Units, j: int, p: int) -> int:
+    """Length of the stretch of units from j holding weight p's codes or padding (windows
+    growing as in learn_entry: a stretch may be one unit or 100M)."""
     at, chunk = j, SCAN_MIN
-    while at < len(words):
-        pw, _ = decoder.decode(words[at : at + chunk])
-        bad = np.flatnonzero((pw != p) & (pw >= 0))
+    while at < units.n:
+        rel = units.index(at, at + chunk)
+        pw, _ = decoder.decode(rel)
+        bad = np.flatnonzero(((pw != p) & (pw >= 0)) | (rel == NONCODE))
         if len(bad):
             return at + int(bad[0]) - j
         at += chunk
         chunk = min(2 * chunk, SCAN_MAX)
-    return len(words) - j
+    return units.n - j
 
 
 # -- learning and applying ----------------------------------------------------------------
@@ -464,11 +571,13 @@ def learn(
     out_scope: str,
     device,
     work: Path,
+    narrow: bool = False,
 ) -> Layout:
     """Learn the layout of encoder_vmfb's output for the params {key: (shape, dtype)} of
     in_scope, and verify it against `encoded` (the archive it wrote from the real weights,
     `weight(key)`; `derived` keys are recomputed in numpy, so compared to 1e-5). `work`: a
-    temp path (removed) for the coded inputs and output.
+    temp path (removed) for the coded inputs and output. `narrow`: the encoder packs weights
+    in bf16 (bf16 contractions), so it runs twice, on each digit of the codes.
 
     Memory: where the driver moves parameters through files (cpu) the coded inputs are read
     and the coded output written through file handles, and every mapping is read once with
@@ -480,44 +589,50 @@ def learn(
     from .pages import entry_views, zeroed_like
 
     coded_in = work.with_name(f".in-{work.name.lstrip('.')}")  # still a temp's name
+    outs = [work, work.with_name(f".d1-{work.name.lstrip('.')}")][: 2 if narrow else 1]
     try:
-        bases = write_coded_archive(params, weight, coded_in)
-        with input_providers([(in_scope, coded_in)], device) as sources:
-            # Through a file handle (file_io) the output is written raw (11.5 GB of disk for
-            # SD 1.5, never mapped). Else, where the compiled archive is paged, its layout is
-            # reused: the coded output takes the distinct pages only, each packed copy written
-            # through both places (every region is still checked on both).
-            if not file_io(device) and zeroed_like(encoded, work):
-                into = entry_views(work, write=True)
-                run_encoder(encoder_vmfb, sources, out_scope, None, device, into=into)
-                del into
-            else:
-                run_encoder(encoder_vmfb, sources, out_scope, work, device)
-            del sources
-        coded_in.unlink()
+        for digit, out in enumerate(outs):
+            bases = write_coded_archive(params, weight, coded_in, digit if narrow else None)
+            with input_providers([(in_scope, coded_in)], device) as sources:
+                # Through a file handle (file_io) the output is written raw (11.5 GB of disk
+                # for SD 1.5, never mapped). Else, where the compiled archive is paged, its
+                # layout is reused: the coded output takes the distinct pages only, each
+                # packed copy written through both places (every region is still checked on
+                # both).
+                if not file_io(device) and zeroed_like(encoded, out):
+                    into = entry_views(out, write=True)
+                    run_encoder(encoder_vmfb, sources, out_scope, None, device, into=into)
+                    del into
+                else:
+                    run_encoder(encoder_vmfb, sources, out_scope, out, device)
+                del sources
+            coded_in.unlink()
         shapes = {k: tuple(s) for k, (s, _) in params.items()}
-        return _analyse(entry_views(work), entry_views(encoded), params, bases, shapes, weight,
-                        derived)  # fmt: skip
+        coded = [entry_views(o) for o in outs]
+        return _analyse(coded, entry_views(encoded), params, bases, shapes, weight, derived)
     finally:
-        for p in (coded_in, work):
+        for p in (coded_in, *outs):
             with contextlib.suppress(OSError):
                 p.unlink()
 
 
-def _analyse(coded_views, real_views, params, bases, shapes, weight, derived) -> Layout:
-    """The layout of the coded output's entries, each region checked on the real output;
-    each mapping read front to back with what is behind dropped (pages.release_pages)."""
+def _analyse(coded_runs, real_views, params, bases, shapes, weight, derived) -> Layout:
+    """The layout of the coded output's entries (coded_runs: one {entry: view} a run), each
+    region checked on the real output; each mapping read front to back with what is behind
+    dropped (pages.release_pages)."""
     from .pages import release_pages
 
     decoder = _Decoder(bases, shapes)
-    layout = Layout(complete=set(coded_views) == set(real_views))
+    coded_views = coded_runs[0]
+    layout = Layout(complete=all(set(c) == set(real_views) for c in coded_runs))
     layout.unverified |= set(params) - set(bases)
     deadline = time.monotonic() + budget_s()
     for entry, coded in coded_views.items():
         real = real_views.get(entry)
+        coded2 = coded_runs[1].get(entry) if len(coded_runs) > 1 else None
         try:
             regions, failed, _ = learn_entry(
-                coded, decoder, shapes, release=release_pages, deadline=deadline
+                coded, decoder, shapes, release=release_pages, deadline=deadline, coded2=coded2
             )
         except BudgetSpent:  # nothing of it is trusted: every weight goes through the encoder
             return Layout(complete=False, unverified=set(params), gave_up=True)
@@ -531,13 +646,15 @@ def _analyse(coded_views, real_views, params, bases, shapes, weight, derived) ->
                 if real is None or not _matches(r, w, real, param in derived):
                     layout.unverified.add(param)
                 if real is not None:
-                    release_pages(real, r.offset, r.offset + r.size() * 4)
+                    release_pages(real, r.offset, r.offset + r.size() * r.itemsize)
             release_pages(w)
             del w
         layout.entries[entry] = regions
-        if real is None or not _rest_equal(regions, coded, real):
+        runs = [coded] if coded2 is None else [coded, coded2]
+        if real is None or not all(_rest_equal(regions, c, real) for c in runs):
             layout.complete = False
-        release_pages(coded)
+        for c in runs:
+            release_pages(c)
         if real is not None:
             release_pages(real)
     return layout
@@ -545,15 +662,20 @@ def _analyse(coded_views, real_views, params, bases, shapes, weight, derived) ->
 
 def _matches(region: Region, w: np.ndarray, real: np.ndarray, approx: bool) -> bool:
     packed = region.pack(w)
-    got = real[region.offset : region.offset + packed.nbytes]
-    if len(got) != packed.nbytes:
+    cast = region.cast(packed)
+    got = real[region.offset : region.offset + cast.nbytes]
+    if len(got) != cast.nbytes:
         return False
-    if np.array_equal(got, packed.view(np.uint8)):
+    if np.array_equal(got, cast.view(np.uint8)):
         return True
     if not approx:
         return False
-    ref = got.view(packed.dtype).astype(np.float64)
-    return bool(np.allclose(ref, packed, rtol=1e-5, atol=1e-6 * max(1.0, np.abs(ref).max())))
+    if region.dtype == "bf16":  # within one bf16 rounding of the recomputed weight
+        ref = (got.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        rtol = 2.0**-7
+    else:
+        ref, rtol = got.view(packed.dtype).astype(np.float64), 1e-5
+    return bool(np.allclose(ref, packed, rtol=rtol, atol=1e-6 * max(1.0, np.abs(ref).max())))
 
 
 def _rest_equal(regions: list[Region], coded: np.ndarray, real: np.ndarray) -> bool:
@@ -568,7 +690,7 @@ def _rest_equal(regions: list[Region], coded: np.ndarray, real: np.ndarray) -> b
     for r in sorted(regions, key=lambda r: r.offset):
         if r.offset > at:
             gaps.append((at, r.offset))
-        at = max(at, r.offset + r.size() * 4)
+        at = max(at, r.offset + r.size() * r.itemsize)
     gaps.append((at, len(coded)))
     chunk = 1 << 26
     for a, b in gaps:
@@ -587,7 +709,7 @@ def repack(layout: Layout, views: dict[str, np.ndarray], weights: dict[str, np.n
     written = 0
     for key, w in weights.items():
         for entry, r in by_param.get(key, ()):
-            src = r.strided(w)
+            src = r.strided(w) if r.dtype == "f32" else to_bf16(r.strided(w)).reshape(-1)
             n = r.size() * src.itemsize
             dst = views[entry][r.offset : r.offset + n].view(src.dtype).reshape(src.shape)
             np.copyto(dst, src)  # straight into the (copy-on-write) pages: one copy

@@ -84,6 +84,8 @@ class Recoverer:
                 continue
             w = covered = None  # a weight may come in slices (a split Winograd conv's)
             for entry, region in by_param.get(key, ()):
+                if region.dtype != "f32":  # a bf16 copy does not give the float32 weight back
+                    continue
                 n = region.size() * dtype.itemsize
                 data = views[entry][region.offset : region.offset + n].view(dtype)
                 part, seen = (a.reshape(-1) for a in unpack(region, data))

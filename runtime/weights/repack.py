@@ -21,7 +21,7 @@ import numpy as np
 
 from ..fileutil import remove_stale_temps, sha256_json, temp_path_for, user_cache_dir
 from .archive import Archive
-from .layout import BUDGET_ENV, Layout, codable, learn, repack
+from .layout import BUDGET_ENV, Layout, codable, learn, narrow_dtype, repack
 from .pages import entry_views, splat_entries
 from .winograd import base_key, winograd_weight
 
@@ -66,6 +66,7 @@ def layout_for(manifest, name: str, device, report: Callable[[str], None]) -> La
         sub.encoder.scope,
         device,
         temp_path_for(cache.with_suffix(".irpa")),
+        narrow=narrow_dtype(manifest.dtype),
     )
     if layout is None:
         return None
@@ -89,11 +90,13 @@ def learn_layout(
     device,
     work: Path,
     derived_archives: list[Path] = (),
+    narrow: bool = False,
 ) -> Layout | None:
     """layout.learn over a submodule's weights (its archives `own`) and the `derived` ones
     ({key: (shape, dtype)}), read from derived_archives where given (compile), else computed
     from their base weights (run time). None when an archive lacks shapes, no weight is
-    float32 or they have more elements than there are codes."""
+    float32 or they have more elements than there are codes. `narrow`: the encoder packs
+    weights in bf16 (layout.narrow_dtype)."""
     archives = [Archive(p) for p in own]
     derived_from = [Archive(p) for p in derived_archives]
     params: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
@@ -104,7 +107,7 @@ def learn_layout(
             params[k] = (e.shape, e.dtype)
     for k, (shape, dtype) in derived.items():
         params[k] = (tuple(shape), np.dtype(dtype))
-    if not codable(params):  # an fp16 artifact, or a model past the codes: the encoder it is
+    if not codable(params, narrow):  # fp16, or a model past the codes: the encoder it is
         return None
 
     def weight(k: str) -> np.ndarray:
@@ -114,7 +117,7 @@ def learn_layout(
         return winograd_weight(weight(base_key(k)), params[k][0][0])
 
     return learn(encoder_vmfb, in_scope, params, weight, set(derived), encoded, out_scope, device,
-                 work)  # fmt: skip
+                 work, narrow)  # fmt: skip
 
 
 def repacked_index(

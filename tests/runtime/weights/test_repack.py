@@ -15,6 +15,7 @@ import shutil
 import numpy as np
 import pytest
 
+from sdiree.runtime.cpu_features import host_cpu_features
 from sdiree.runtime.device_select import choose_device
 from sdiree.runtime.manifest import load_manifest
 from sdiree.runtime.pipeline import GenerationRequest, Text2Image, resolve_request
@@ -26,9 +27,12 @@ from sdiree.runtime.weights.layout import (
     Layout,
     Region,
     _Decoder,
+    code16_index,
+    code16_words,
     code_index,
     code_words,
     learn_entry,
+    to_bf16,
 )
 from sdiree.runtime.weights.overrides import WeightOverrides
 
@@ -52,6 +56,58 @@ def test_codes_run_on_into_the_negative_floats_and_nothing_else_is_one():
     others = np.array([0, 1, 0x007FFFFF, 0x7F800000, 0x7FC00000, 0x80000000, 0xFF800000],
                       np.uint64).astype(np.uint32)  # fmt: skip
     np.testing.assert_array_equal(code_index(others), -1)
+
+
+def test_bf16_codes_are_exact_bf16_numbers_and_nothing_else_is_one():
+    i = np.array([0, 1, layout.SPAN16 - 1, layout.SPAN16, layout.CODES16 - 1])
+    u = code16_words(i)
+    as_f32 = (u.astype(np.uint32) << 16).view(np.float32)
+    assert np.isfinite(as_f32).all() and (np.abs(as_f32) >= np.finfo(np.float32).tiny).all()
+    np.testing.assert_array_equal(to_bf16(as_f32), u)  # rounding to bf16 keeps them
+    np.testing.assert_array_equal(code16_index(u), i)
+    others = np.array([0, 1, 0x007F, 0x7F80, 0x7FC0, 0x8000, 0xFF80], np.uint16)
+    np.testing.assert_array_equal(code16_index(others), -1)
+    ties = np.array([1 + 2**-8, 1 + 2**-7 + 2**-8, 1 + 2**-8 + 2**-20, -(1 + 2**-8)], np.float32)
+    np.testing.assert_array_equal(to_bf16(ties), [0x3F80, 0x3F82, 0x3F81, 0xBF80])  # to even
+
+
+def _narrow_runs(pieces, bases):
+    """Two runs' coded output of a narrow encoder: (param, element indices or -1, dtype)
+    pieces, each element's index as two base-CODES16 digits, in bf16 or float32 units."""
+    runs = []
+    for digit in (0, 1):
+        out = []
+        for k, e, dtype in pieces:
+            idx = bases[k] + np.maximum(e, 0)
+            u = code16_words(idx // layout.CODES16**digit % layout.CODES16)
+            u = np.where(e >= 0, u, 0).astype(np.uint16)
+            out.append(u.view(np.uint8) if dtype == "bf16" else
+                       (u.astype(np.uint32) << 16).view(np.uint8))  # fmt: skip
+        runs.append(np.concatenate(out))
+    return runs
+
+
+def test_a_narrow_encoders_bf16_and_float32_packs_are_found_from_two_digits():
+    """bf16 contractions' encoders round what they pack to bf16, which keeps 16 bits of a
+    code: coded twice, one base-CODES16 digit a run, each bf16 region is found in halves and
+    a float32 one (a bias) in words, side by side without running on into each other; and
+    each re-packs its weight as the encoder would (bf16 rounded to nearest even)."""
+    # w [N=69990, K=4] packed as [N1, K1=2, N0=16, K0=2] (bf16 pairs), N padded to 70000
+    shapes = {"b": (20,), "w": (69990, 4), "v": (4, 4)}
+    bases = {"b": 0, "w": 20, "v": 20 + 69990 * 4}  # w's last codes need the high digit
+    tiled = Region("w", 0, (69990, 4), ((0, 16, 4375), (1, 2, 2), (0, 1, 16), (1, 1, 2)))
+    want = tiled.pack(np.arange(69990 * 4), fill=-1)
+    shuffled = np.random.default_rng(0).permutation(16)
+    shuffled[0] = 0
+    pieces = [("b", np.arange(20), "f32"), ("w", want, "bf16"), ("v", shuffled, "bf16")]
+    runs = _narrow_runs(pieces, bases)
+    regions, failed, _ = learn_entry(runs[0], _Decoder(bases, shapes), shapes, coded2=runs[1])
+    assert [(r.param, r.offset, r.dtype) for r in regions] == [("b", 0, "f32"), ("w", 80, "bf16")]
+    assert regions[1].size() == len(want) and failed == {"v"}
+    np.testing.assert_array_equal(regions[1].pack(np.arange(69990 * 4), fill=-1), want)
+    w = np.random.default_rng(1).standard_normal((69990, 4)).astype(np.float32)
+    np.testing.assert_array_equal(regions[1].cast(regions[1].pack(w)), to_bf16(tiled.pack(w)))
+    assert [Region.from_json(r.to_json()) for r in regions] == regions
 
 
 def test_a_pack_coded_past_the_positive_floats_is_found():
@@ -206,10 +262,12 @@ def _lora_like(art):
     return WeightOverrides({"unet": changed}, digest="")
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_lora_repacked_in_numpy_makes_the_encoder_paths_image(
-    compiled, monkeypatch, tmp_path, capsys
+    compiled, monkeypatch, tmp_path, capsys, dtype
 ):
-    art = compiled.get("cpu", "host", "fp32")
+    """Also bf16 (its encoder packs weights in bf16, learned from two coded runs)."""
+    art = compiled.get("cpu", "host", dtype)
     monkeypatch.setenv("SDIREE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv(repack.SHARE_ENV, "1")  # this change is 47% of the tiny UNet's packs
     lora = _lora_like(art)
@@ -226,16 +284,23 @@ def test_a_lora_repacked_in_numpy_makes_the_encoder_paths_image(
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # nothing written
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_the_compile_learns_each_lora_submodules_layout_and_the_runtime_the_same(
-    compiled, monkeypatch, tmp_path, capsys
+    compiled, monkeypatch, tmp_path, capsys, dtype
 ):
     """An artifact from before layouts were learned at compile (none in its manifest) learns
-    the same layout at its first LoRA, once, into the user cache."""
-    art = compiled.get("cpu", "host", "fp32")
+    the same layout at its first LoRA, once, into the user cache. bf16's too: complete, with
+    bf16 packs where the CPU has bf16 ukernels (and the encoder then rounds to bf16)."""
+    art = compiled.get("cpu", "host", dtype)
     m = load_manifest(art)
+    packs = set()
     for name in ("text_encoder", "unet", "vae_decoder", "vae_encoder"):
         layout = Layout.load(m.path(m.submodules[name].encoder.layout))
         assert layout is not None and layout.complete and not layout.unverified, name
+        packs |= {r.dtype for rs in layout.entries.values() for r in rs}
+    assert packs == ({"f32"} if dtype == "fp32" else packs & {"f32", "bf16"})
+    if dtype == "bf16" and "avx512_bf16" in host_cpu_features():
+        assert "bf16" in packs
     old = tmp_path / "old"
     shutil.copytree(art, old)
     data = json.loads((old / "manifest.json").read_text())
