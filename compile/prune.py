@@ -8,7 +8,9 @@ encoded submodule has a complete learned layout, the artifact keeps:
 - the keys a module names (their bytes appear in one of the vmfbs that load the archive: an
   upper bound, a key that merely looks named is kept too);
 - any key the layouts cannot give back as it was (checked here against the original: exactly
-  for a packed copy, within 1e-5 of the largest magnitude for a Winograd inverse);
+  for a packed copy, within 1e-5 of the largest magnitude for a Winograd inverse), or, from a
+  bf16 artifact's bf16 packs, as its bf16 rounding (exactly the original rounded to nearest
+  even; within 2^-6 of the largest magnitude through a Winograd inverse: ~2^-7 measured);
 and lists the rest in `<archive>.pruned.json`, which the runtime's Archive reads back from the
 encoded archives (sdiree.runtime.weights.recover) when a LoRA, `--weights` or an embedding
 needs them. The pruned archive is proven to load: every module that reads it is loaded with it
@@ -33,13 +35,14 @@ from sdiree.runtime.fileutil import (
     temp_path_for,
 )
 from sdiree.runtime.weights.archive import Archive
-from sdiree.runtime.weights.layout import Layout
+from sdiree.runtime.weights.layout import Layout, from_bf16, to_bf16
 from sdiree.runtime.weights.pages import release_pages
 from sdiree.runtime.weights.recover import FORMAT_VERSION, Recoverer, sidecar_path
 
 STATE_KEY = "pruned"  # in the build state: {archive name: {"key", "from", "sha256", "sidecar"}}
 # a Winograd weight read back by the pseudo-inverse: within this share of its largest magnitude
-WINOGRAD_TOLERANCE = 1e-5
+# (from bf16 packs: BF16_WINOGRAD_TOLERANCE)
+WINOGRAD_TOLERANCE, BF16_WINOGRAD_TOLERANCE = 1e-5, 2.0**-6
 
 
 @dataclass
@@ -136,14 +139,18 @@ def _keep_whole(use: ArchiveUse, done: dict, intact) -> None:
         link_or_copy(use.source, use.local)
 
 
-def _close(got: np.ndarray, want: np.ndarray) -> bool:
+def _close(got: np.ndarray, want: np.ndarray, rounded: bool = False) -> bool:
+    """got is want (rounded: want's bf16 rounding), or a Winograd inverse's within tolerance."""
+    if rounded and got.shape == want.shape and want.dtype == np.float32:
+        want = from_bf16(to_bf16(want)).reshape(want.shape)
     if np.array_equal(got, want):
         return True
     if got.shape != want.shape or not np.issubdtype(want.dtype, np.floating):
         return False
     w = np.asarray(want, np.float64)
     scale = float(np.abs(w).max()) if w.size else 0.0
-    return bool(np.abs(np.asarray(got, np.float64) - w).max() <= WINOGRAD_TOLERANCE * scale)
+    tol = BF16_WINOGRAD_TOLERANCE if rounded else WINOGRAD_TOLERANCE
+    return bool(np.abs(np.asarray(got, np.float64) - w).max() <= tol * scale)
 
 
 def _prune_one(out: Path, use: ArchiveUse, results: dict, sources: list[dict], driver: str,
@@ -162,8 +169,10 @@ def _prune_one(out: Path, use: ArchiveUse, results: dict, sources: list[dict], d
         except KeyError:
             continue
         want = full.array(key)
-        if _close(got, want):
+        if _close(got, want, key in recoverer.rounded):
             dropped[key] = {"shape": list(e.shape), "dtype": e.dtype.name}
+            if key in recoverer.rounded:
+                dropped[key]["rounded"] = "bf16"  # read back as its bf16 rounding
         release_pages(want)  # one pass over GBs of mapped weights: keep the RSS to one tensor
     del recoverer
     if not dropped:
@@ -191,9 +200,11 @@ def _prune_one(out: Path, use: ArchiveUse, results: dict, sources: list[dict], d
         tmp.unlink(missing_ok=True)
     kept_bytes = sum(e.length for k, e in full.entries.items() if k not in dropped)
     all_bytes = sum(e.length for e in full.entries.values())
+    rounded = sum(1 for d in dropped.values() if d.get("rounded"))
     report.say(
         f"[prune {use.local.name}] {len(dropped)} of {len(full.entries)} weights read back from "
-        f"the encoded archives: {all_bytes / 1e9:.3f} -> {kept_bytes / 1e9:.3f} GB kept"
+        f"the encoded archives{f' ({rounded} as their bf16 rounding)' if rounded else ''}: "
+        f"{all_bytes / 1e9:.3f} -> {kept_bytes / 1e9:.3f} GB kept"
     )
     return {"sha256": sha256_file(use.local), "sidecar": sha256_file(sidecar)}
 

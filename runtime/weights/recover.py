@@ -11,6 +11,12 @@ strided view of the zero-padded weight, so it is unpacked exactly; a 3x3 weight 
 its Winograd transform U = G g G^T is recovered as g = K+ U (K = kron(G, G), K+ its
 pseudo-inverse), within a few float32 ulps. The compile checks every listed key this way
 against the original before it drops it.
+
+A bf16 artifact's encoders pack weights in bf16: such a weight reads back as its bf16
+rounding (`Recoverer.rounded`), the weight its modules compute with. The compile drops it only
+as that (exactly the original rounded to bf16 to nearest even; through a Winograd inverse,
+within one bf16 step of the largest magnitude), so a LoRA on a bf16 artifact adds to the bf16
+weights, as a bf16 torch pipeline's fused LoRA does.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .layout import Layout, Region
+from .layout import Layout, Region, from_bf16
 from .pages import entry_views, release_pages
 from .winograd import WINOGRAD, WINOGRAD_PARAM
 
@@ -65,6 +71,7 @@ class Recoverer:
         self.root = Path(root)
         self.sources = sources  # [{"encoded": file, "layout": file}], relative to root
         self._loaded: list[tuple[Layout, dict[str, np.ndarray], dict]] | None = None
+        self.rounded: set[str] = set()  # keys read back from bf16 packs: their bf16 rounding
 
     def _load(self) -> list:
         if self._loaded is None:
@@ -78,24 +85,29 @@ class Recoverer:
         return self._loaded
 
     def _packed(self, key: str, dtype: np.dtype) -> np.ndarray | None:
-        """key's weight unpacked from the first packed copy that holds all of it."""
-        for layout, views, by_param in self._load():
-            if key in layout.unverified:
-                continue
-            w = covered = None  # a weight may come in slices (a split Winograd conv's)
-            for entry, region in by_param.get(key, ()):
-                if region.dtype != "f32":  # a bf16 copy does not give the float32 weight back
+        """key's float32 weight unpacked from packed copies that hold all of it: float32 ones,
+        else bf16 ones (then its bf16 rounding, and key joins `rounded`)."""
+        for packs in ("f32", "bf16"):
+            for layout, views, by_param in self._load():
+                if key in layout.unverified:
                     continue
-                n = region.size() * dtype.itemsize
-                data = views[entry][region.offset : region.offset + n].view(dtype)
-                part, seen = (a.reshape(-1) for a in unpack(region, data))
-                release_pages(views[entry], region.offset, region.offset + n)  # read once
-                if w is None:
-                    w, covered = part, seen
-                else:
-                    w, covered = np.where(seen, part, w), covered | seen
-                if covered.all():
-                    return w
+                w = covered = None  # a weight may come in slices (a split Winograd conv's)
+                for entry, region in by_param.get(key, ()):
+                    if region.dtype != packs or (packs == "bf16" and dtype != np.float32):
+                        continue
+                    n = region.size() * region.itemsize
+                    data = views[entry][region.offset : region.offset + n]
+                    data = data.view(dtype) if packs == "f32" else from_bf16(data.view(np.uint16))
+                    part, seen = (a.reshape(-1) for a in unpack(region, data))
+                    release_pages(views[entry], region.offset, region.offset + n)  # read once
+                    if w is None:
+                        w, covered = part, seen
+                    else:
+                        w, covered = np.where(seen, part, w), covered | seen
+                    if covered.all():
+                        if packs == "bf16":
+                            self.rounded.add(key)
+                        return w
         return None
 
     def array(self, key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -106,6 +118,8 @@ class Recoverer:
         if key.endswith(".weight") and len(shape) == 4 and shape[2:] == (3, 3):
             u = self._packed(key[: -len("weight")] + WINOGRAD_PARAM, dtype)
             if u is not None:
+                if key[: -len("weight")] + WINOGRAD_PARAM in self.rounded:
+                    self.rounded.add(key)
                 taps = u.size // (shape[0] * shape[1])
                 return winograd_inverse(u.reshape(taps, shape[1], shape[0]))
         raise KeyError(key)

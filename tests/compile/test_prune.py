@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from sdiree.compile.prune import ArchiveUse, _prune_key
 from sdiree.runtime.device_select import choose_device
@@ -26,7 +27,7 @@ from sdiree.runtime.session import Session
 from sdiree.runtime.text_inputs import TOKEN_TABLE
 from sdiree.runtime.weights.archive import Archive
 from sdiree.runtime.weights.overrides import WeightOverrides
-from sdiree.runtime.weights.recover import sidecar_path
+from sdiree.runtime.weights.recover import SIDECAR_SUFFIX, sidecar_path
 
 ORIGINALS = ("text_encoder.irpa", "unet.irpa", "vae.irpa", "vae.winograd4.irpa")
 
@@ -44,11 +45,12 @@ def _full(art: Path, name: str) -> Path:
     return found[0]
 
 
-def _image(art):
+def _image(art, overrides=None):
     m = load_manifest(art)
     info, _ = choose_device(m, None)
     req = resolve_request(m, GenerationRequest(prompt="a red boat", steps=3, seed=11))
-    return Text2Image(m, Session(m, info, Text2Image.SUBMODULES)).generate(req).images
+    session = Session(m, info, Text2Image.SUBMODULES, overrides)
+    return Text2Image(m, session).generate(req).images
 
 
 def test_the_cpu_artifact_keeps_only_what_its_encoded_archives_lack(compiled):
@@ -80,20 +82,78 @@ def test_the_cpu_artifact_keeps_only_what_its_encoded_archives_lack(compiled):
         assert len(set(big) & set(dropped)) >= 0.8 * len(big), name
 
 
-def test_a_pruned_artifact_makes_the_image_its_full_archives_make(compiled, tmp_path):
-    art = compiled.get("cpu", "host", "fp32")
-    whole = tmp_path / "whole"
+def _pruned(art: Path) -> list[str]:
+    return sorted(p.name[: -len(SIDECAR_SUFFIX)] for p in art.glob(f"*{SIDECAR_SUFFIX}"))
+
+
+def test_a_bf16_artifact_drops_weights_as_its_modules_hold_them(compiled):
+    """A bf16 artifact's encoders pack the contractions' weights in bf16: it drops those as
+    their bf16 rounding (what its modules compute with; the sidecar says so), and what float32
+    packs hold (biases) bit for bit. Its original archives shrink as an fp32 artifact's do."""
+    from sdiree.runtime.weights.layout import from_bf16, to_bf16
+
+    art = compiled.get("cpu", "host", "bf16")
+    for name in ("text_encoder.irpa", "unet.irpa", "vae.irpa"):
+        full, pruned = Archive(_full(art, name)), Archive(art / name)
+        listed = json.loads(sidecar_path(art / name).read_text())["keys"]
+        dropped = [k for k, e in pruned.entries.items() if e.recovered]
+        assert sorted(dropped) == sorted(listed), name
+        rounded = [k for k in dropped if listed[k].get("rounded") == "bf16"]
+        assert rounded, name
+        for key in dropped:
+            want, got = full.array(key), pruned.array(key)
+            if key not in rounded:
+                np.testing.assert_array_equal(got, want, err_msg=key)
+            elif want.ndim == 4 and want.shape[2:] == (3, 3):  # through the Winograd inverse
+                assert np.abs(got - want).max() <= 2.0**-6 * np.abs(want).max(), key
+            else:
+                np.testing.assert_array_equal(got, from_bf16(to_bf16(want)).reshape(want.shape))
+        kept = [k for k in pruned.entries if k not in dropped and not k.endswith(TOKEN_TABLE)]
+        kept_bytes = sum(full.entries[k].length for k in kept)
+        assert kept_bytes < 0.2 * sum(e.length for e in full.entries.values()), name
+
+
+def test_a_lora_on_a_pruned_bf16_artifact_adds_to_its_bf16_weights(compiled, tmp_path):
+    """The same LoRA-like change on the pruned bf16 artifact (added to the bf16-rounded
+    weights it reads back) and on the same artifact with its full archives (added to the
+    float32 weights) differ by bf16 rounding only."""
+    art = compiled.get("cpu", "host", "bf16")
+    whole = _with_full_archives(art, tmp_path / "whole")
+    a = Archive(art / "unet.irpa")
+    keys = [k for k, e in a.entries.items() if e.recovered and k.endswith("to_q.weight")]
+    rng = np.random.default_rng(3)
+    deltas = {k: 0.05 * rng.standard_normal(a.entries[k].shape).astype(np.float32) for k in keys}
+    images = []
+    for root in (art, whole):
+        arch = Archive(root / "unet.irpa")
+        changed = {k: np.array(arch.array(k)) + d for k, d in deltas.items()}
+        images.append(_image(root, WeightOverrides({"unet": changed}, digest="")))
+    diff = np.abs(images[0].astype(np.float64) - images[1].astype(np.float64)) / 2  # [-1, 1]
+    psnr = 10 * np.log10(1.0 / max(float((diff**2).mean()), 1e-20))
+    assert keys and psnr >= 30, psnr
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_pruned_artifact_makes_the_image_its_full_archives_make(compiled, tmp_path, dtype):
+    art = compiled.get("cpu", "host", dtype)
+    assert set(_pruned(art)) >= {"text_encoder.irpa", "unet.irpa", "vae.irpa"}
+    whole = _with_full_archives(art, tmp_path / "whole")
+    assert not any(e.recovered for e in Archive(whole / "unet.irpa").entries.values())
+    np.testing.assert_array_equal(_image(art), _image(whole))
+
+
+def _with_full_archives(art: Path, whole: Path) -> Path:
+    """A copy of art with its pruned archives whole again."""
     shutil.copytree(art, whole)
     data = json.loads((whole / "manifest.json").read_text())
-    for name in ORIGINALS:
+    for name in _pruned(art):
         shutil.copyfile(_full(art, name), whole / name)
         sidecar_path(whole / name).unlink()
         data["files"].pop(sidecar_path(whole / name).name)
         data["files"][name] = sha256_file(whole / name)
     (whole / "manifest.json").write_text(json.dumps(data))
     (whole / HASH_CACHE).unlink()
-    assert not any(e.recovered for e in Archive(whole / "unet.irpa").entries.values())
-    np.testing.assert_array_equal(_image(art), _image(whole))
+    return whole
 
 
 def test_an_archive_without_encoded_weights_stays_whole(compiled):
