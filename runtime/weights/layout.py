@@ -12,6 +12,12 @@ element for element, and then against the compile's own encoded archive on the r
 The layout is `complete` when every other byte is the same in both runs (alignment gaps),
 i.e. no weight reaches the output in a way not described; only then is it used, and only for
 weights all of whose regions verified. Anything else goes through the encoder.
+
+A bf16 artifact's encoder (`narrow`) rounds the weights it packs to bf16, which keeps 16 bits of
+a code: it runs twice, each element's index written as one base-65,024 digit a run, each digit a
+normal bf16 number (exact through the rounding); a bf16 pack's elements are read two bytes at a
+time, a float32 pack's (biases) four. Such a region (`Region.dtype` "bf16") re-packs a weight as
+its bf16 rounding, to nearest even, as the encoder does.
 """
 
 from __future__ import annotations
