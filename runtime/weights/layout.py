@@ -42,7 +42,9 @@ CODE16_BASE, CODE16_END, SIGN16 = 0x0080, 0x7F80, 0x8000
 SPAN16 = CODE16_END - CODE16_BASE
 CODES16 = 2 * SPAN16
 NONCODE = -2  # a unit neither zero nor a code (of two runs)
-FORMAT_VERSION = 1
+# 2: regions may be bf16 (Region.dtype); written only then, so a reader of 1 that would take
+# them for float32 refuses the layout (and runs the encoder) instead
+FORMAT_VERSION, FORMATS_READ = 2, (1, 2)
 PAD, FOREIGN = -1, -2
 SCAN_MIN, SCAN_MAX = 1 << 10, 1 << 22  # words decoded at once while scanning
 # Seconds one layout may take to learn; past them it is given up as incomplete (no pruning, the
@@ -170,6 +172,10 @@ class Layout:
                 out.setdefault(r.param, []).append((entry, r))
         return out
 
+    def narrow(self) -> bool:
+        """Whether any region is a bf16 pack."""
+        return any(r.dtype != "f32" for rs in self.entries.values() for r in rs)
+
     def covers(self, params) -> bool:
         """Whether every param in params can be re-packed here (regions verified, or none)."""
         return self.complete and not (set(params) & self.unverified)
@@ -180,7 +186,7 @@ class Layout:
         atomic_write_json(
             path,
             {
-                "version": FORMAT_VERSION,
+                "version": FORMAT_VERSION if self.narrow() else 1,
                 "complete": self.complete,
                 "unverified": sorted(self.unverified),
                 "entries": {k: [r.to_json() for r in v] for k, v in self.entries.items()},
@@ -191,7 +197,7 @@ class Layout:
     def load(path: Path) -> Layout | None:
         try:
             d = json.loads(Path(path).read_text())
-            if d.get("version") != FORMAT_VERSION:
+            if d.get("version") not in FORMATS_READ:
                 return None
             entries = {k: [Region.from_json(r) for r in v] for k, v in d["entries"].items()}
             return Layout(entries, bool(d["complete"]), set(d["unverified"]))

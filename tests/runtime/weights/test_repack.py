@@ -87,7 +87,7 @@ def _narrow_runs(pieces, bases):
     return runs
 
 
-def test_a_narrow_encoders_bf16_and_float32_packs_are_found_from_two_digits():
+def test_a_narrow_encoders_bf16_and_float32_packs_are_found_from_two_digits(tmp_path):
     """bf16 contractions' encoders round what they pack to bf16, which keeps 16 bits of a
     code: coded twice, one base-CODES16 digit a run, each bf16 region is found in halves and
     a float32 one (a bias) in words, side by side without running on into each other; and
@@ -108,6 +108,11 @@ def test_a_narrow_encoders_bf16_and_float32_packs_are_found_from_two_digits():
     w = np.random.default_rng(1).standard_normal((69990, 4)).astype(np.float32)
     np.testing.assert_array_equal(regions[1].cast(regions[1].pack(w)), to_bf16(tiled.pack(w)))
     assert [Region.from_json(r.to_json()) for r in regions] == regions
+    # a layout with bf16 regions is format 2, which a reader of format 1 refuses
+    for kept, version in ((regions, 2), (regions[:1], 1)):
+        Layout({"e": kept}, complete=True).save(tmp_path / "l.json")
+        assert json.loads((tmp_path / "l.json").read_text())["version"] == version
+        assert Layout.load(tmp_path / "l.json").entries == {"e": kept}
 
 
 def test_a_pack_coded_past_the_positive_floats_is_found():
