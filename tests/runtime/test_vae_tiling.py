@@ -181,16 +181,30 @@ def test_plan_compiles_the_vae_at_its_tile_shapes(tiny_model, tmp_path):
 @pytest.fixture(scope="module")
 def tiled_session(tiny_model, tmp_path_factory):
     """The tiny model's VAE compiled for cpu at 128x128 (twice its sample_size): its modules
-    take 64 px tiles and the 32 px edge tiles."""
+    take 64 px tiles and the 32 px edge tiles. Its convolutions are plain im2col matmuls (a
+    specs copy), not the preset's Winograd F(4x4): tiling does not depend on how a conv is
+    lowered, the preset's VAE is compiled for every other cpu test (a non-square size by
+    test_compile_sizes), and the eight Winograd functions took this compile 171 s against 88 s
+    (Zen 5, quiet; ~550 s in a loaded CI)."""
+    import json
+    import shutil
+
     from sdiree.compile.driver import CompileOptions, compile_model
     from sdiree.compile.report import Reporter
     from sdiree.runtime.device_select import choose_device
     from sdiree.runtime.manifest import load_manifest
     from sdiree.runtime.session import Session
 
-    out = tmp_path_factory.mktemp("tiled") / "cpu-128"
+    root = tmp_path_factory.mktemp("tiled")
+    specs = root / "specs"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "specs", specs)
+    registry = json.loads((specs / "targets.json").read_text())
+    for sub in ("vae_decoder", "vae_encoder"):
+        registry["targets"]["cpu"]["submodule_export"][sub] = {"conv": "matmul"}
+    (specs / "targets.json").write_text(json.dumps(registry))
+    out = root / "cpu-128"
     opts = CompileOptions(
-        tiny_model, "cpu", height=128, width=128, out=out,
+        tiny_model, "cpu", height=128, width=128, out=out, specs_dir=specs,
         submodules=("vae_decoder", "vae_encoder"),
     )  # fmt: skip
     compile_model(opts, Reporter(stream=io.StringIO()))
