@@ -27,8 +27,12 @@ from .winograd import base_key, winograd_weight
 
 LAYOUT_CACHE = "encoded-layouts"  # under the user cache: <submodule>-<key>.json
 REPACK_ENV = "SDIREE_ENCODED_REPACK"  # "0": always run the encoder (A/B, debugging)
-# the most of the packed weights re-packed in numpy (a fraction); more goes to the encoder
-SHARE_ENV, SHARE_DEFAULT = "SDIREE_REPACK_MAX_SHARE", 0.25
+# The most of the packed weights re-packed in numpy (a fraction); more goes to the encoder.
+# SD 1.5, tools/PERFORMANCE.md (twenty-third session): a LoRA on every linear layer is 0.24 of
+# the fp32 UNet's packs and 0.32 of the bf16 one's (F(2x2) convs weigh less there), and on bf16
+# re-packs in 5.6 s at a 3.3 GB peak against the encoder's 68 s and 7.9 GB; with the convs too
+# (0.99) the encoder wins (8.1 GB against 13.4).
+SHARE_ENV, SHARE_DEFAULT = "SDIREE_REPACK_MAX_SHARE", 0.4
 
 
 def _encoded_path(manifest, sub) -> Path | None:
