@@ -505,7 +505,7 @@ class Builder:
         """Learn the layout of entry's encoded archive unless it was learned (or tried), and
         record it in the build state."""
         enc = entry.get("encoded")
-        if enc and not _layout_tried(enc):
+        if enc and not _layout_tried(enc, self.plan.out):
             self.add_layout(submodule, enc, archives)
             atomic_write_json(self.plan.out / BUILD_STATE, state)
 
@@ -626,7 +626,9 @@ class Builder:
                 submodule, out / encoder["vmfb"], archives, encoder["derived"],
                 out / enc["path"], enc["scope"], layout,
             )  # fmt: skip
-        encoder["layout_tried"] = True
+        from sdiree.runtime.weights.layout import LEARNER_VERSION
+
+        encoder["layout_tried"] = LEARNER_VERSION
         if layout.is_file():
             encoder.update(layout=layout.name, layout_sha256=sha256_file(layout))
 
@@ -792,9 +794,20 @@ def _remove_unlisted_archives(out: Path, files: dict) -> None:
             p.unlink(missing_ok=True)
 
 
-def _layout_tried(encoded: dict) -> bool:
-    """Whether the encoder's layout was learned, or tried (none where it cannot be learned)."""
-    return bool(encoded["encoder"].get("layout") or encoded["encoder"].get("layout_tried"))
+def _layout_tried(encoded: dict, out: Path) -> bool:
+    """Whether the encoder's layout was learned, or tried (none where it cannot be learned), by
+    this learner; one an older learner left incomplete is tried again (a bf16 artifact's, before
+    LEARNER_VERSION 2), a complete one is kept."""
+    from sdiree.runtime.weights.layout import LEARNER_VERSION, Layout
+
+    enc = encoded["encoder"]
+    tried, saved = enc.get("layout_tried"), enc.get("layout")
+    if tried == LEARNER_VERSION or (tried and not saved):
+        return True
+    if not saved:
+        return False
+    learned = Layout.load(out / saved)
+    return learned is not None and learned.complete
 
 
 def _up_to_date(b: Builder, state: dict) -> bool:
@@ -817,7 +830,7 @@ def _up_to_date(b: Builder, state: dict) -> bool:
         encoded = state.get(sub, {}).get("encoded")
         if not _encoder_intact(b, encoded):
             return False
-        if encoded and not _layout_tried(encoded):
+        if encoded and not _layout_tried(encoded, plan.out):
             return False  # learned (and the originals pruned) by a rebuild
     if plan.target.encode_parameters and "pruned" not in state:
         return False  # built before the original archives were pruned

@@ -45,6 +45,9 @@ NONCODE = -2  # a unit neither zero nor a code (of two runs)
 # 2: regions may be bf16 (Region.dtype); written only then, so a reader of 1 that would take
 # them for float32 refuses the layout (and runs the encoder) instead
 FORMAT_VERSION, FORMATS_READ = 2, (1, 2)
+# The learner: 2 reads bf16 packs. A compile tries a layout again that an older one left
+# incomplete (compile/driver.py).
+LEARNER_VERSION = 2
 PAD, FOREIGN = -1, -2
 SCAN_MIN, SCAN_MAX = 1 << 10, 1 << 22  # words decoded at once while scanning
 # Seconds one layout may take to learn; past them it is given up as incomplete (no pruning, the

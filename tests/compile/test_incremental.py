@@ -189,3 +189,22 @@ def test_sdxl_recompile_is_a_noop_and_a_flag_change_recompiles_only_its_submodul
         compiled_sdxl.model, out, tmp_path, "text_encoder_2", "text_encoder"
     )
     assert load_manifest(out).family == load_manifest(base).family == "sdxl"
+
+
+def test_a_layout_an_older_learner_left_incomplete_is_learned_again(tmp_path):
+    """A recompile keeps a complete layout and one this learner tried, and learns again one an
+    older learner left incomplete (every bf16 artifact's before the learner read bf16 packs)."""
+    from sdiree.compile.driver import _layout_tried
+    from sdiree.runtime.weights.layout import LEARNER_VERSION, Layout
+
+    Layout(complete=True).save(tmp_path / "done.json")
+    Layout(complete=False, unverified={"w"}).save(tmp_path / "partial.json")
+
+    def tried(**encoder) -> bool:
+        return _layout_tried({"encoder": encoder}, tmp_path)
+
+    assert tried(layout_tried=True, layout="done.json")  # an older learner's, complete
+    assert not tried(layout_tried=True, layout="partial.json")  # an older learner's, incomplete
+    assert tried(layout_tried=LEARNER_VERSION, layout="partial.json")  # this one's (budget)
+    assert tried(layout_tried=True)  # none could be learned (fp16)
+    assert not tried(layout="missing.json") and not tried()
