@@ -167,6 +167,7 @@ class Layout:
     complete: bool = False
     unverified: set[str] = field(default_factory=set)  # params with a region that did not
     gave_up: bool = False  # learning ran past budget_s() (not saved: the layout is incomplete)
+    learner: int = LEARNER_VERSION  # the learner that made it (1: one before bf16 packs)
 
     def regions_of(self) -> dict[str, list[tuple[str, Region]]]:
         out: dict[str, list[tuple[str, Region]]] = {}
@@ -190,6 +191,7 @@ class Layout:
             path,
             {
                 "version": FORMAT_VERSION if self.narrow() else 1,
+                "learner": self.learner,
                 "complete": self.complete,
                 "unverified": sorted(self.unverified),
                 "entries": {k: [r.to_json() for r in v] for k, v in self.entries.items()},
@@ -203,7 +205,8 @@ class Layout:
             if d.get("version") not in FORMATS_READ:
                 return None
             entries = {k: [Region.from_json(r) for r in v] for k, v in d["entries"].items()}
-            return Layout(entries, bool(d["complete"]), set(d["unverified"]))
+            learner = int(d.get("learner", 1))
+            return Layout(entries, bool(d["complete"]), set(d["unverified"]), learner=learner)
         except (OSError, ValueError, KeyError, TypeError, IndexError):
             return None
 

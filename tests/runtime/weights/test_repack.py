@@ -23,6 +23,7 @@ from sdiree.runtime.session import Session
 from sdiree.runtime.weights import layout, repack
 from sdiree.runtime.weights.archive import Archive
 from sdiree.runtime.weights.layout import (
+    LEARNER_VERSION,
     SPAN,
     Layout,
     Region,
@@ -325,6 +326,13 @@ def test_the_compile_learns_each_lora_submodules_layout_and_the_runtime_the_same
     assert "learning" not in capsys.readouterr().err
     np.testing.assert_array_equal(again, fast)
     np.testing.assert_array_equal(fast, _image(art, lora))
+    # one an older learner left there incomplete (bf16 before it read bf16 packs) is learned again
+    stale = json.loads(learned.read_text())
+    stale.pop("learner")
+    learned.write_text(json.dumps({**stale, "complete": False}))
+    np.testing.assert_array_equal(_image(old, lora), fast)
+    assert "unet: learning how the encoder packs" in capsys.readouterr().err
+    assert Layout.load(learned).complete and Layout.load(learned).learner == LEARNER_VERSION
 
 
 def test_a_weight_whose_layout_did_not_verify_goes_through_the_encoder(
