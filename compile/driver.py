@@ -626,9 +626,7 @@ class Builder:
                 submodule, out / encoder["vmfb"], archives, encoder["derived"],
                 out / enc["path"], enc["scope"], layout,
             )  # fmt: skip
-        from sdiree.runtime.weights.layout import LEARNER_VERSION
-
-        encoder["layout_tried"] = LEARNER_VERSION
+        encoder["layout_tried"] = True
         if layout.is_file():
             encoder.update(layout=layout.name, layout_sha256=sha256_file(layout))
 
@@ -795,19 +793,15 @@ def _remove_unlisted_archives(out: Path, files: dict) -> None:
 
 
 def _layout_tried(encoded: dict, out: Path) -> bool:
-    """Whether the encoder's layout was learned, or tried (none where it cannot be learned), by
-    this learner; one an older learner left incomplete is tried again (a bf16 artifact's, before
-    LEARNER_VERSION 2), a complete one is kept."""
-    from sdiree.runtime.weights.layout import LEARNER_VERSION, Layout
+    """Whether the encoder's layout was learned for good (Layout.settled: one an older learner
+    left incomplete, a bf16 artifact's, is learned again), or tried where none can be."""
+    from sdiree.runtime.weights.layout import Layout
 
     enc = encoded["encoder"]
-    tried, saved = enc.get("layout_tried"), enc.get("layout")
-    if tried == LEARNER_VERSION or (tried and not saved):
-        return True
-    if not saved:
-        return False
-    learned = Layout.load(out / saved)
-    return learned is not None and learned.complete
+    if not enc.get("layout"):
+        return bool(enc.get("layout_tried"))
+    learned = Layout.load(out / enc["layout"])
+    return learned is not None and learned.settled
 
 
 def _up_to_date(b: Builder, state: dict) -> bool:

@@ -35,14 +35,14 @@ from sdiree.runtime.fileutil import (
     temp_path_for,
 )
 from sdiree.runtime.weights.archive import Archive
-from sdiree.runtime.weights.layout import Layout, from_bf16, to_bf16
+from sdiree.runtime.weights.layout import BF16_TOLERANCE, Layout, from_bf16, to_bf16
 from sdiree.runtime.weights.pages import release_pages
 from sdiree.runtime.weights.recover import FORMAT_VERSION, Recoverer, sidecar_path
 
 STATE_KEY = "pruned"  # in the build state: {archive name: {"key", "from", "sha256", "sidecar"}}
 # a Winograd weight read back by the pseudo-inverse: within this share of its largest magnitude
-# (from bf16 packs: BF16_WINOGRAD_TOLERANCE)
-WINOGRAD_TOLERANCE, BF16_WINOGRAD_TOLERANCE = 1e-5, 2.0**-6
+# (from bf16 packs: layout.BF16_TOLERANCE)
+WINOGRAD_TOLERANCE = 1e-5
 
 
 @dataclass
@@ -149,7 +149,7 @@ def _close(got: np.ndarray, want: np.ndarray, rounded: bool = False) -> bool:
         return False
     w = np.asarray(want, np.float64)
     scale = float(np.abs(w).max()) if w.size else 0.0
-    tol = BF16_WINOGRAD_TOLERANCE if rounded else WINOGRAD_TOLERANCE
+    tol = BF16_TOLERANCE if rounded else WINOGRAD_TOLERANCE
     return bool(np.abs(np.asarray(got, np.float64) - w).max() <= tol * scale)
 
 

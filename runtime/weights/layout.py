@@ -45,9 +45,12 @@ NONCODE = -2  # a unit neither zero nor a code (of two runs)
 # 2: regions may be bf16 (Region.dtype); written only then, so a reader of 1 that would take
 # them for float32 refuses the layout (and runs the encoder) instead
 FORMAT_VERSION, FORMATS_READ = 2, (1, 2)
-# The learner: 2 reads bf16 packs. A compile tries a layout again that an older one left
-# incomplete (compile/driver.py).
+# The learner: 2 reads bf16 packs. A layout an older one left incomplete is learned again
+# (Layout.settled: by the compile, and for the user cache's by the runtime).
 LEARNER_VERSION = 2
+# A bf16 weight recomputed from bf16-rounded ones (a pruned bf16 artifact's, through the
+# Winograd inverse) is within this share of its largest magnitude, not that weight's rounding
+BF16_TOLERANCE = 2.0**-6
 PAD, FOREIGN = -1, -2
 SCAN_MIN, SCAN_MAX = 1 << 10, 1 << 22  # words decoded at once while scanning
 # Seconds one layout may take to learn; past them it is given up as incomplete (no pruning, the
@@ -175,6 +178,11 @@ class Layout:
             for r in regions:
                 out.setdefault(r.param, []).append((entry, r))
         return out
+
+    @property
+    def settled(self) -> bool:
+        """Complete, or learned by this learner: no reason to learn it again."""
+        return self.complete or self.learner >= LEARNER_VERSION
 
     def narrow(self) -> bool:
         """Whether any region is a bf16 pack."""
@@ -646,17 +654,17 @@ def _analyse(coded_runs, real_views, params, bases, shapes, weight, derived) -> 
     from .pages import release_pages
 
     decoder = _Decoder(bases, shapes)
-    coded_views = coded_runs[0]
     layout = Layout(complete=all(set(c) == set(real_views) for c in coded_runs))
     layout.unverified |= set(params) - set(bases)
     deadline = time.monotonic() + budget_s()
-    for entry, coded in coded_views.items():
+    for entry in coded_runs[0]:
         real = real_views.get(entry)
-        coded2 = coded_runs[1].get(entry) if len(coded_runs) > 1 else None
+        runs = [c[entry] for c in coded_runs]
         try:
             regions, failed, _ = learn_entry(
-                coded, decoder, shapes, release=release_pages, deadline=deadline, coded2=coded2
-            )
+                runs[0], decoder, shapes, release=release_pages, deadline=deadline,
+                coded2=runs[1] if len(runs) > 1 else None,
+            )  # fmt: skip
         except BudgetSpent:  # nothing of it is trusted: every weight goes through the encoder
             return Layout(complete=False, unverified=set(params), gave_up=True)
         layout.unverified |= failed
@@ -673,7 +681,6 @@ def _analyse(coded_runs, real_views, params, bases, shapes, weight, derived) -> 
             release_pages(w)
             del w
         layout.entries[entry] = regions
-        runs = [coded] if coded2 is None else [coded, coded2]
         if real is None or not all(_rest_equal(regions, c, real) for c in runs):
             layout.complete = False
         for c in runs:
@@ -694,10 +701,8 @@ def _matches(region: Region, w: np.ndarray, real: np.ndarray, approx: bool) -> b
     if not approx:
         return False
     if region.dtype == "bf16":
-        # a few bf16 steps of the largest magnitude: recomputed from bf16-rounded weights (a
-        # pruned bf16 artifact's, through the Winograd inverse) it is not that weight's rounding
         ref = from_bf16(got.view(np.uint16)).astype(np.float64)
-        return bool(np.abs(ref - packed).max() <= 2.0**-6 * max(1e-30, np.abs(ref).max()))
+        return bool(np.abs(ref - packed).max() <= BF16_TOLERANCE * max(1e-30, np.abs(ref).max()))
     ref = got.view(packed.dtype).astype(np.float64)
     return bool(np.allclose(ref, packed, rtol=1e-5, atol=1e-6 * max(1.0, np.abs(ref).max())))
 
@@ -733,7 +738,7 @@ def repack(layout: Layout, views: dict[str, np.ndarray], weights: dict[str, np.n
     written = 0
     for key, w in weights.items():
         for entry, r in by_param.get(key, ()):
-            src = r.strided(w) if r.dtype == "f32" else to_bf16(r.strided(w)).reshape(-1)
+            src = r.cast(r.strided(w))
             n = r.size() * src.itemsize
             dst = views[entry][r.offset : r.offset + n].view(src.dtype).reshape(src.shape)
             np.copyto(dst, src)  # straight into the (copy-on-write) pages: one copy

@@ -15,7 +15,7 @@ against the original before it drops it.
 A bf16 artifact's encoders pack weights in bf16: such a weight reads back as its bf16
 rounding (`Recoverer.rounded`), the weight its modules compute with. The compile drops it only
 as that (exactly the original rounded to bf16 to nearest even; through a Winograd inverse,
-within one bf16 step of the largest magnitude), so a LoRA on a bf16 artifact adds to the bf16
+within layout.BF16_TOLERANCE of the largest magnitude), so a LoRA on a bf16 artifact adds to the bf16
 weights, as a bf16 torch pipeline's fused LoRA does.
 """
 

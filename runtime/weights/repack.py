@@ -23,7 +23,6 @@ from ..fileutil import remove_stale_temps, sha256_json, temp_path_for, user_cach
 from .archive import Archive
 from .layout import (
     BUDGET_ENV,
-    LEARNER_VERSION,
     Layout,
     codable,
     learn,
@@ -62,7 +61,7 @@ def layout_for(manifest, name: str, device, report: Callable[[str], None]) -> La
     key = sha256_json({"encoder": files.get(sub.encoder.vmfb), "encoded": files.get(rel)})[:24]
     cache = user_cache_dir() / LAYOUT_CACHE / f"{name}-{key}.json"
     layout = Layout.load(cache) if cache.is_file() else None
-    if layout is not None and (layout.complete or layout.learner >= LEARNER_VERSION):
+    if layout is not None and layout.settled:
         return layout  # else an older learner's incomplete one (a bf16 artifact's): again
     own = [manifest.path(p) for p, s in sub.archives() if s == sub.scope]
     report(f"{name}: learning how the encoder packs its weights (once per artifact)")

@@ -197,14 +197,16 @@ def test_a_layout_an_older_learner_left_incomplete_is_learned_again(tmp_path):
     from sdiree.compile.driver import _layout_tried
     from sdiree.runtime.weights.layout import LEARNER_VERSION, Layout
 
-    Layout(complete=True).save(tmp_path / "done.json")
-    Layout(complete=False, unverified={"w"}).save(tmp_path / "partial.json")
+    Layout(complete=True, learner=1).save(tmp_path / "done.json")
+    Layout(complete=False, unverified={"w"}, learner=1).save(tmp_path / "partial.json")
+    Layout(complete=False, unverified={"w"}).save(tmp_path / "given-up.json")
 
     def tried(**encoder) -> bool:
         return _layout_tried({"encoder": encoder}, tmp_path)
 
     assert tried(layout_tried=True, layout="done.json")  # an older learner's, complete
     assert not tried(layout_tried=True, layout="partial.json")  # an older learner's, incomplete
-    assert tried(layout_tried=LEARNER_VERSION, layout="partial.json")  # this one's (budget)
+    assert tried(layout_tried=True, layout="given-up.json")  # this one's (budget)
+    assert Layout.load(tmp_path / "given-up.json").learner == LEARNER_VERSION
     assert tried(layout_tried=True)  # none could be learned (fp16)
     assert not tried(layout="missing.json") and not tried()
