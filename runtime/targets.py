@@ -272,8 +272,9 @@ EXPORT_CHOICES = {
 # positive integers, in submodule_export.unet only: F(4x4) from this input side; plain matmuls
 # where the input side is at most the latent's / this
 UNET_ONLY_EXPORT = ("winograd4_min_side", "plain_from_downscale")
-# positive integers, any submodule: Winograd convs one matmul per tile element from this side
-SIDE_EXPORT = ("winograd_split_min_side",)
+# positive integers, any submodule: Winograd convs one matmul per tile element from this side;
+# `chunked` attention's score block budget in bytes
+SIDE_EXPORT = ("winograd_split_min_side", "attention_block_bytes")
 KIND_NAMES = {
     "int": "an integer",
     "str": "a string",

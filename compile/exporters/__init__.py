@@ -70,9 +70,10 @@ def plan_for(builder, submodule: str):
     options = builder.export_options(submodule)
     attention = options.get("attention", "sdpa")
     conv = options.get("conv", "native")
-    winograd = {
+    shared = {  # the UNet's and the VAE's
         "winograd_output": options.get("winograd_output", "batched"),
         "winograd_split_min_side": options.get("winograd_split_min_side"),
+        "attention_block_bytes": options.get("attention_block_bytes"),
     }
     model = builder.torch_model(COMPONENTS[submodule])
     set_linear_lowering(model, options.get("linear", "native"))
@@ -102,7 +103,7 @@ def plan_for(builder, submodule: str):
             dtype=dtype,
             attention=attention,
             conv=conv,
-            **winograd,
+            **shared,
             winograd4_min_side=options.get("winograd4_min_side"),
             plain_from_downscale=options.get("plain_from_downscale"),
             added_conditioning=added_conditioning(p),
@@ -122,7 +123,7 @@ def plan_for(builder, submodule: str):
             dtype=dtype,
             attention=attention,
             conv=conv,
-            **winograd,
+            **shared,
         )
         for hw in p.vae_image_shapes()
     ]

@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import torch
 
-# Largest score block (one head's queries x keys, in bytes of the score dtype) a chunk may hold.
-# 16 MiB measured best on a Zen 8 MiB-L3 CPU (4-16 MiB all within noise; one 1 GB block 1.2x
-# slower).
+# Largest score block (one head's queries x keys, in bytes of the score dtype) a chunk may hold,
+# unless the export choice `attention_block_bytes` says otherwise. 16 MiB measured best on a Zen
+# 8 MiB-L3 CPU (4-16 MiB all within noise; one 1 GB block 1.2x slower); the cpu preset asks 4 MiB,
+# measured faster on Zen 5 (compile/NOTES.md, twenty-fourth session).
 SCORE_BLOCK_BYTES = 16 << 20
 
 ATTENTIONS = ("sdpa", "sdpa_pow2", "sdpa_pow2_keys", "decomposed", "chunked")
@@ -126,8 +127,11 @@ class ChunkedAttnProcessor:
             hidden_states = hidden_states + residual
         return hidden_states / attn.rescale_output_factor
 
+    def __init__(self, block_bytes: int | None = None):
+        self.block_bytes = block_bytes or SCORE_BLOCK_BYTES
+
     def attend(self, query, key, value, scale, mask):
-        return chunked_attention(query, key, value, scale, mask)
+        return chunked_attention(query, key, value, scale, mask, self.block_bytes)
 
 
 def fused_attention(query, key, value, scale, mask):
@@ -187,9 +191,10 @@ class Pow2KeysSdpaProcessor(Pow2SdpaProcessor):
     pad_keys = True
 
 
-def set_attention(model: torch.nn.Module, attention: str) -> None:
+def set_attention(model: torch.nn.Module, attention: str, block_bytes: int | None = None) -> None:
     """Give every attention layer of a diffusers model the processor for an export choice
-    (under `sdpa`, layers that ask for attention upcast get UpcastSdpaProcessor)."""
+    (under `sdpa`, layers that ask for attention upcast get UpcastSdpaProcessor); block_bytes:
+    `chunked`'s score block budget (export choice `attention_block_bytes`)."""
     from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
     processors = {
@@ -201,7 +206,10 @@ def set_attention(model: torch.nn.Module, attention: str) -> None:
     }
     if attention not in processors:
         raise ValueError(f"unknown attention export choice {attention!r}; one of {ATTENTIONS}")
-    model.set_attn_processor(processors[attention]())
+    processor = processors[attention]
+    model.set_attn_processor(
+        processor(block_bytes) if processor is ChunkedAttnProcessor else processor()
+    )
     if attention == "sdpa":
         from diffusers.models.attention_processor import Attention
 

@@ -86,6 +86,7 @@ def plan_unet(
     conv: str = "native",
     winograd_output: str = "batched",
     winograd_split_min_side: int | None = None,
+    attention_block_bytes: int | None = None,
     winograd4_min_side: int | None = None,
     plain_from_downscale: int | None = None,
     added_conditioning: dict[str, int] | None = None,
@@ -110,7 +111,7 @@ def plan_unet(
         small, large = WINOGRAD_TILES.get(conv, 0), WINOGRAD_TILES["winograd4"]
         plain = min(h, w) // plain_from_downscale if plain_from_downscale else 0
         tiles = tiles_by_side(sides, small, large, winograd4_min_side, plain)
-    set_attention(unet, attention)
+    set_attention(unet, attention, attention_block_bytes)
     cat_text_time_embedding(unet)
     derived = set_conv_lowering(unet, conv, tiles, winograd_output, winograd_split_min_side)
     set_transformer_layout(unet, transformer)

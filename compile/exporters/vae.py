@@ -44,9 +44,9 @@ class VaeEncodeEntry(torch.nn.Module):
 
 def _plan(
     vae, *, submodule, entry_cls, fname, in_name, out_names, batch, image_hw, dtype, attention, conv,
-    winograd_output, winograd_split_min_side
+    winograd_output, winograd_split_min_side, attention_block_bytes
 ):  # fmt: skip
-    set_attention(vae, attention)
+    set_attention(vae, attention, attention_block_bytes)
     derived = set_conv_lowering(
         vae, conv, winograd_output=winograd_output, split_min_side=winograd_split_min_side
     )
@@ -83,23 +83,25 @@ def _plan(
 
 def plan_vae_decoder(
     vae, *, batch, image_hw, dtype, attention, conv="native", winograd_output="batched",
-    winograd_split_min_side=None,
+    winograd_split_min_side=None, attention_block_bytes=None,
 ) -> ExportPlan:  # fmt: skip
     return _plan(
         vae, submodule="vae_decoder", entry_cls=VaeDecodeEntry, fname="decode",
         in_name="latents", out_names=("image",),
         batch=batch, image_hw=image_hw, dtype=dtype, attention=attention, conv=conv,
         winograd_output=winograd_output, winograd_split_min_side=winograd_split_min_side,
+        attention_block_bytes=attention_block_bytes,
     )  # fmt: skip
 
 
 def plan_vae_encoder(
     vae, *, batch, image_hw, dtype, attention, conv="native", winograd_output="batched",
-    winograd_split_min_side=None,
+    winograd_split_min_side=None, attention_block_bytes=None,
 ) -> ExportPlan:  # fmt: skip
     return _plan(
         vae, submodule="vae_encoder", entry_cls=VaeEncodeEntry, fname="encode",
         in_name="image", out_names=("latent_mean", "latent_std"),
         batch=batch, image_hw=image_hw, dtype=dtype, attention=attention, conv=conv,
         winograd_output=winograd_output, winograd_split_min_side=winograd_split_min_side,
+        attention_block_bytes=attention_block_bytes,
     )  # fmt: skip

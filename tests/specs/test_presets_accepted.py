@@ -59,9 +59,12 @@ def test_required_presets_exist():
     # for the dispatches (specs/README.md), 16 in the UNet, 128 in the VAE
     assert cpu.export_for("unet")["winograd_split_min_side"] == 16
     assert cpu.export_for("vae_decoder") == {
-        "attention": "chunked", "conv": "winograd4", "winograd_output": "batched",
-        "winograd_split_min_side": 128,
+        "attention": "chunked", "attention_block_bytes": 4 << 20, "conv": "winograd4",
+        "winograd_output": "batched", "winograd_split_min_side": 128,
     }  # fmt: skip
+    # ... attention's score blocks of 4 MiB (256 of 4096 queries at 512x512, fp32), faster than
+    # 16 MiB ones on Zen 5 (compile/NOTES.md)
+    assert cpu.export_for("unet")["attention_block_bytes"] == 4 << 20
     assert REGISTRY.target("cpu").export_dtype("bf16") == "fp32"
     # GPU targets: linears as 2-D matmuls (no load-time transposed copies), except in the VAE
     # and on the 48 KiB NVIDIA Vulkan presets, where iree 3.13 then fails to compile some

@@ -149,6 +149,10 @@ CASES = {
         _cpu(lambda t: t["export"].__setitem__("winograd_split_min_side", True)),
         "targets.cpu.export.winograd_split_min_side must be a positive integer, not True",
     ),
+    "attention-block-bytes-zero": (
+        _cpu(lambda t: t["submodule_export"]["unet"].__setitem__("attention_block_bytes", 0)),
+        "targets.cpu.submodule_export.unet.attention_block_bytes must be a positive integer, not 0",
+    ),
     "unknown-linear-of-an-arch": (
         _edit(
             lambda d: d["targets"]["vulkan-spirv"]["arches"]["ampere"]["export"].__setitem__(

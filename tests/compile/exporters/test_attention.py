@@ -16,6 +16,8 @@ from sdiree.compile.exporters.attention import (  # noqa: E402
     set_attention,
 )
 
+REASSOCIATE = "--iree-llvmcpu-reassociate-fp-reductions=true"
+
 
 def reference(q, k, v, scale, mask=None):
     s = q.double() @ k.double().transpose(1, 2) * scale
@@ -88,13 +90,56 @@ def test_processor_matches_diffusers_in_a_unet_and_a_vae(tiny_model, choice):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
 
 
+def test_chunked_block_budget_is_the_export_choice():
+    """`attention_block_bytes` reaches every chunked layer: with a budget of 12 queries' scores
+    the processor cuts 24 queries into two blocks, two 2-D matmul pairs per head, and still
+    computes softmax attention; without it, the default budget (one block)."""
+    from diffusers.models.attention_processor import Attention
+
+    from sdiree.compile.exporters.attention import ChunkedAttnProcessor
+
+    class Model(torch.nn.Module):  # set_attention walks a model's Attention layers
+        def __init__(self):
+            super().__init__()
+            self.attn = Attention(16, heads=2, dim_head=8)
+
+        def set_attn_processor(self, processor):
+            self.attn.set_processor(processor)
+
+        def forward(self, x):
+            return self.attn(x)
+
+    torch.manual_seed(0)
+    model = Model().eval()
+    x = torch.randn(1, 24, 16)
+    with torch.no_grad():
+        want = model(x)
+
+    def traced_mms(block_bytes):
+        set_attention(model, "chunked", block_bytes)
+        proc = model.attn.processor
+        assert isinstance(proc, ChunkedAttnProcessor)
+        assert proc.block_bytes == (block_bytes or SCORE_BLOCK_BYTES)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), want, atol=2e-6, rtol=1e-5)
+        graph = torch.export.export(model, (x,), strict=False).graph
+        return sum(n.target == torch.ops.aten.mm.default for n in graph.nodes)
+
+    # q, k, v and out projections are linears (addmm/mm by shape); attention's are 2 per block
+    base = traced_mms(None)
+    assert traced_mms(12 * 24 * 4) == base + 2 * 2  # 2 heads x 1 more block x 2 matmuls
+
+
 def test_unknown_choice_is_refused():
     with pytest.raises(ValueError, match="unknown attention export choice 'flash'"):
         set_attention(torch.nn.Module(), "flash")
 
 
-def test_compiled_chunked_attention_matches_torch():
-    """Several blocks through iree's llvm-cpu with the cpu target's data tiling and ukernels.
+@pytest.mark.parametrize("reassociate", [False, True], ids=["in-order", "reassociated"])
+def test_compiled_chunked_attention_matches_torch(reassociate):
+    """Several blocks through iree's llvm-cpu with the cpu target's data tiling and ukernels,
+    and with the UNet's `--iree-llvmcpu-reassociate-fp-reductions` (the row max then reduced
+    lane by lane, compile/NOTES.md).
 
     Each head is traced as 2-D matmuls (iree runs those faster than batch-1 batch_matmuls)."""
     import numpy as np
@@ -109,7 +154,12 @@ def test_compiled_chunked_attention_matches_torch():
     q, k, v = torch.randn(4, 256, 40), torch.randn(4, 128, 40), torch.randn(4, 128, 40)
     mlir = str(aot.export(Attn(), args=(q, k, v)).mlir_module)
     assert mlir.count("torch.aten.mm ") == 2 * 4 * 4 and "torch.aten.bmm" not in mlir
-    got = run_main(mlir, q.numpy(), k.numpy(), v.numpy(), flags=DATA_TILING)
+    flags = (*DATA_TILING, *([REASSOCIATE] if reassociate else []))
+    if reassociate:  # the flag this test stands for is the cpu preset's
+        from sdiree.runtime.targets import load_registry
+
+        assert REASSOCIATE in load_registry().target("cpu").compile_flags("host", "fp32", "unet")
+    got = run_main(mlir, q.numpy(), k.numpy(), v.numpy(), flags=flags)
     np.testing.assert_allclose(got, reference(q, k, v, 0.2).numpy(), atol=1e-5)
 
 
