@@ -64,12 +64,19 @@ def specs_copy(tmp_path: Path, arch: str, dump: Path | None, spec: bool) -> Path
     return specs
 
 
-def compile_tiny(model: Path, arch: str, specs: Path, out: Path):
+# What each test needs compiled (a partial artifact, as `sdiree compile --submodules` makes):
+# the spec's ops are in the UNet and the VAE decoder; an image needs the text encoder too.
+TUNED = ("unet", "vae_decoder")
+TEXT_TO_IMAGE = ("text_encoder", *TUNED)
+
+
+def compile_tiny(model: Path, arch: str, specs: Path, out: Path, submodules=TUNED):
     from sdiree.compile.driver import CompileOptions, compile_model
     from sdiree.compile.report import Reporter
 
     opts = CompileOptions(
-        model, "vulkan-spirv", arch=arch, dtype="fp16", out=out, specs_dir=specs
+        model, "vulkan-spirv", arch=arch, dtype="fp16", out=out, specs_dir=specs,
+        submodules=submodules,
     )  # fmt: skip
     return compile_model(opts, Reporter(stream=io.StringIO()))
 
@@ -97,7 +104,7 @@ def test_cooperative_matrix_arch_needs_the_spec_and_it_applies(tiny_model, tmp_p
 
     with pytest.raises(UserError, match="no GPU subgroup mma compute ops generated"):
         compile_tiny(tiny_model, "rdna3", specs_copy(tmp_path, "rdna3", None, False),
-                     tmp_path / "without")  # fmt: skip
+                     tmp_path / "without", submodules=("unet",))  # fmt: skip
 
     dump = tmp_path / "dump"
     art = tmp_path / "with"
@@ -151,7 +158,9 @@ def test_lavapipe_fp16_with_the_spec_matches_diffusers(tiny_model, tmp_path):
 
     dump = tmp_path / "dump"
     art = tmp_path / "lavapipe-fp16"
-    compile_tiny(tiny_model, "lavapipe", specs_copy(tmp_path, "lavapipe", dump, True), art)
+    compile_tiny(
+        tiny_model, "lavapipe", specs_copy(tmp_path, "lavapipe", dump, True), art, TEXT_TO_IMAGE
+    )
     matched = tuned(configurations(dump))
     assert any("matmul_like" in n for n in matched) and any("batch_matmul" in n for n in matched)
     assert all(pipeline(t) == "MatmulPromoteVectorize" for t in matched.values())
