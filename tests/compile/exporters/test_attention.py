@@ -19,6 +19,20 @@ from sdiree.compile.exporters.attention import (  # noqa: E402
 REASSOCIATE = "--iree-llvmcpu-reassociate-fp-reductions=true"
 
 
+class OneAttention(torch.nn.Module):
+    """One diffusers Attention layer as a model (set_attention walks a model's layers)."""
+
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+
+    def set_attn_processor(self, processor):
+        self.attn.set_processor(processor)
+
+    def forward(self, x, context=None):
+        return self.attn(x, context)
+
+
 def reference(q, k, v, scale, mask=None):
     s = q.double() @ k.double().transpose(1, 2) * scale
     if mask is not None:
@@ -98,19 +112,8 @@ def test_chunked_block_budget_is_the_export_choice():
 
     from sdiree.compile.exporters.attention import ChunkedAttnProcessor
 
-    class Model(torch.nn.Module):  # set_attention walks a model's Attention layers
-        def __init__(self):
-            super().__init__()
-            self.attn = Attention(16, heads=2, dim_head=8)
-
-        def set_attn_processor(self, processor):
-            self.attn.set_processor(processor)
-
-        def forward(self, x):
-            return self.attn(x)
-
     torch.manual_seed(0)
-    model = Model().eval()
+    model = OneAttention(Attention(16, heads=2, dim_head=8)).eval()
     x = torch.randn(1, 24, 16)
     with torch.no_grad():
         want = model(x)
@@ -195,18 +198,7 @@ def test_gpu_attention_gets_matrix_cores_only_padded(
     # softmax-upcast layer to an fp32 fused op (slower on an H200: tools/PERFORMANCE.md)
     assert gpu.export_for("vae_decoder", "fp16", arch)["attention"] == "sdpa"
 
-    class Model(torch.nn.Module):  # set_attention walks a model's Attention layers
-        def __init__(self):
-            super().__init__()
-            self.attn = Attention(320, heads=8, dim_head=40)
-
-        def set_attn_processor(self, processor):
-            self.attn.set_processor(processor)
-
-        def forward(self, x, context):
-            return self.attn(x, context)
-
-    model = Model().half().eval()
+    model = OneAttention(Attention(320, heads=8, dim_head=40)).half().eval()
     set_attention(model, choice)
     x = torch.randn(1, 256, 320, dtype=torch.float16)
     context = torch.randn(1, keys, 320, dtype=torch.float16)
