@@ -207,9 +207,9 @@ def set_attention(model: torch.nn.Module, attention: str, block_bytes: int | Non
     if attention not in processors:
         raise ValueError(f"unknown attention export choice {attention!r}; one of {ATTENTIONS}")
     processor = processors[attention]
-    model.set_attn_processor(
-        processor(block_bytes) if processor is ChunkedAttnProcessor else processor()
-    )
+    # diffusers' own processors take no arguments; ours take the chunked block budget
+    ours = issubclass(processor, ChunkedAttnProcessor)
+    model.set_attn_processor(processor(block_bytes) if ours else processor())
     if attention == "sdpa":
         from diffusers.models.attention_processor import Attention
 

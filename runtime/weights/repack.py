@@ -21,14 +21,7 @@ import numpy as np
 
 from ..fileutil import remove_stale_temps, sha256_json, temp_path_for, user_cache_dir
 from .archive import Archive
-from .layout import (
-    BUDGET_ENV,
-    Layout,
-    codable,
-    learn,
-    narrow_dtype,
-    repack,
-)
+from .layout import BUDGET_ENV, Layout, codable, learn, narrow_dtype, repack
 from .pages import entry_views, splat_entries
 from .winograd import base_key, winograd_weight
 
