@@ -226,7 +226,6 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
     from sdiree.runtime.pipeline import scheduler_config
 
     from .driver import CompileOptions, compile_model
-    from .quiet import quiet_libraries
     from .report import Reporter
 
     out = out or sys.stdout
@@ -234,7 +233,6 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
     _validate(opts)
     peers = _peer_names(opts)
     sides = (*SIDES, *peers)
-    quiet_libraries()
     load_start = _loadavg()
     reporter = Reporter(stream=log)
     manifest_path = compile_model(

@@ -689,9 +689,9 @@ def _encoder_intact(b: Builder, encoded: dict | None) -> bool:
 
 def compile_model(opts: CompileOptions, reporter: Reporter | None = None) -> Path:
     """Build (or bring up to date) one artifact directory; returns its manifest path."""
-    quiet_libraries()
     r = reporter or Reporter()
-    plan = resolve(opts, r)
+    plan = resolve(opts, r)  # bad input says so before the heavy libraries are imported
+    quiet_libraries()
     with _disk_full_is_user_error(plan):
         return _build(plan, r)
 

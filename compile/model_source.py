@@ -143,6 +143,21 @@ class ModelSource:
         path = self.path / component / fname
         return check_config(read_json_object(path, f"{component}'s config"), component, path)
 
+    def check_classes(self) -> None:
+        """The classes model_index.json names exist in their libraries and are the family's.
+        This imports diffusers and transformers (seconds), so bad input that needs no import
+        to find says so first."""
+        index_path = self.path / "model_index.json"
+        for comp in required_components(self.family):
+            _check_class(index_path, comp, *self.index[comp])
+        for comp, classes in self.family.classes.items():
+            if self.index[comp][1] not in classes:
+                raise UserError(
+                    f"{index_path}: '{comp}' is a {self.index[comp][1]}, but an "
+                    f"{self.family.label} model has a {' or '.join(classes)} there; is this the "
+                    "right folder?"
+                )
+
     def component_class(self, component: str) -> tuple[str, str]:
         library, cls = self.index[component]
         return library, cls
@@ -225,9 +240,12 @@ def open_model(
     config_dir: Path | None = None,
     prediction_type: str | None = None,
     say=None,
+    check_classes: bool = True,
 ) -> ModelSource:
     """A diffusers folder, or a single-file checkpoint converted to one in cache_dir (default:
-    the user cache) with config_dir's or the shipped configs (compile/single_file.py)."""
+    the user cache) with config_dir's or the shipped configs (compile/single_file.py). Without
+    check_classes the caller runs ModelSource.check_classes itself, after its own cheaper
+    checks."""
     path = Path(path)
     if path.is_file():
         path = _single_file_folder(path, cache_dir, config_dir, prediction_type, say)
@@ -279,15 +297,10 @@ def open_model(
                     f"({' and '.join(TOKENIZER_NEEDS)})"
                 )
         read_json_object(path / tokenizer / "vocab.json", "a tokenizer vocabulary")
-    for comp in required:
-        _check_class(index_path, comp, *index[comp])
-    for comp, classes in family.classes.items():
-        if index[comp][1] not in classes:
-            raise UserError(
-                f"{index_path}: '{comp}' is a {index[comp][1]}, but an {family.label} model has "
-                f"a {' or '.join(classes)} there; is this the right folder?"
-            )
-    return ModelSource(path=path, index=index, family=family)
+    source = ModelSource(path=path, index=index, family=family)
+    if check_classes:
+        source.check_classes()
+    return source
 
 
 def _single_file_folder(path: Path, cache_dir, config_dir, prediction_type, say) -> Path:

@@ -160,6 +160,7 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
         config_dir=opts.config_dir,
         prediction_type=opts.prediction_type,
         say=reporter.say,
+        check_classes=False,  # last: it imports diffusers
     )
     family = model.family
     components = ["unet", "vae", *(te["submodule"] for te in family.text_encoders), "scheduler"]
@@ -251,6 +252,7 @@ def resolve(opts: CompileOptions, reporter: Reporter) -> Plan:
         vae_file=_vae_file(opts.vae),
         extra_sizes=extra_sizes,
     )
+    model.check_classes()
     _say_vae_precision(plan, reporter)
     return plan
 

@@ -2,13 +2,15 @@
 once per session (`compiled`, `compiled_sd2`, `compiled_sdxl`).
 
 Artifacts are compiled through the same code path as `sdiree compile` and cached for the whole
-test session, so compile tests and runtime tests share them. When the compile tests are
-collected, the artifacts they will ask for are queued for a background compile
-process that works through them beside the tests, while a test that needs one not started yet
-compiles it itself: one compile keeps this 2-core machine ~1.1 cores busy (export is
+test session, so compile tests and runtime tests share them. The artifacts the collected tests
+will ask for are queued at the first test for a background compile process that works through
+them, while the test files that need no artifact run first, beside it. A test that needs one
+not started yet compiles it itself; one that would wait for the background compiles the next
+queued one meanwhile: one compile keeps this 2-core machine ~1.1 cores busy (export is
 single-threaded), and these compiles are most of the suite's time. Their shared compile cache
 (exported MLIR, parameter archives) is a session folder named by $SDIREE_CACHE, never the
-user's own cache.
+user's own cache. $SDIREE_TEST_QUEUE_LOG names a file where each compile's start and end and
+each test's wait are written (seconds since the epoch), to see the suite's critical path.
 """
 
 from __future__ import annotations
@@ -81,8 +83,8 @@ def artifacts_root(tmp_path_factory) -> Path:
 
 
 # Compiled ahead when tests/compile/test_compile_targets.py is collected: the artifacts it
-# needs besides cpu fp32 (the first one every run needs, compiled in the foreground). cpu bf16
-# comes last: it shares cpu fp32's export, which is done by then.
+# needs besides cpu fp32 (the first one every run needs, queued before these). cpu bf16 comes
+# last: it shares cpu fp32's export, which is done by then.
 AHEAD = (
     ("vulkan-spirv", "lavapipe", "fp32"),
     ("cpu", "host", "fp16"),
@@ -130,9 +132,16 @@ _sd2_ahead_wanted = False
 _inpaint_ahead_wanted = False
 
 
+# The session fixtures whose artifacts the background compiles (through their own fixtures too)
+ARTIFACT_FIXTURES = (
+    "compiled", "compiled_sd2", "compiled_sdxl", "compiled_sizes", "compiled_inpaint",
+)  # fmt: skip
+_artifact_fixtures_wanted: set[str] = set()  # of ARTIFACT_FIXTURES, by the tests collected
+
+
 def pytest_collection_modifyitems(items):
     global _ahead_wanted, _sdxl_ahead_wanted, _sizes_ahead_wanted
-    global _sd2_ahead_wanted, _inpaint_ahead_wanted
+    global _sd2_ahead_wanted, _inpaint_ahead_wanted, _artifact_fixtures_wanted
     _ahead_wanted = any(i.nodeid.startswith("tests/compile/test_compile_targets.py") for i in items)
     _sdxl_ahead_wanted = any(i.nodeid.startswith(SDXL_TESTS) for i in items)
     _sizes_ahead_wanted = any(
@@ -140,6 +149,32 @@ def pytest_collection_modifyitems(items):
     )
     _sd2_ahead_wanted = any(i.nodeid.startswith(SD2_TESTS) for i in items)
     _inpaint_ahead_wanted = any(i.nodeid.startswith(INPAINT_TESTS) for i in items)
+    _artifact_fixtures_wanted = _needing_artifacts_last(items)
+
+
+def _needing_artifacts_last(items) -> set[str]:
+    """Reorder items, whole files at a time (their module fixtures stay set up once): first
+    the files none of whose tests needs a compiled artifact, which run while the background
+    compiles them, then the others in their order. Returns the artifact fixtures needed."""
+    needs: dict[str, bool] = {}
+    wanted: set[str] = set()
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        mine = set(item.fixturenames) & set(ARTIFACT_FIXTURES)
+        needs[path] = needs.get(path, False) or bool(mine)
+        wanted |= mine
+    items.sort(key=lambda i: needs[i.nodeid.split("::")[0]])  # stable: file order kept
+    return wanted
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compile_from_the_start(compile_cache, request):
+    """The background starts on the artifacts at the first test, not at the first test that
+    needs one: the tests that need none run beside it. SD 1.x's first (the `compiled` fixture
+    queues the other models' behind its own), the extra sizes last."""
+    for fixture in ARTIFACT_FIXTURES:
+        if fixture in _artifact_fixtures_wanted:
+            request.getfixturevalue(fixture)
 
 
 class AheadQueue:
@@ -168,6 +203,16 @@ class AheadQueue:
                 return True
             return False
 
+    def steal(self):
+        """The next job not started yet, for a process that would otherwise wait: (owner, key,
+        the Future its own get() waits on), or None."""
+        with self.lock:
+            if self.stopped or not self.items:
+                return None
+            owner, key = self.items.pop(0)
+            owner._ahead[key] = Future()
+            return owner, key, owner._ahead[key]
+
     def _next(self):
         with self.lock:
             if self.stopped or not self.items:
@@ -180,6 +225,7 @@ class AheadQueue:
     def _run(self) -> None:
         while (job := self._next()) is not None:
             owner, key = job
+            _queue_log("start", owner, key)
             try:
                 # its own process group: stop() kills it with its iree-compile child
                 self.proc = Popen(
@@ -190,6 +236,7 @@ class AheadQueue:
                 owner._ahead[key].set_result((self.proc.returncode, output))
             except BaseException as error:  # handed to the test that waits for it
                 owner._ahead[key].set_exception(error)
+            _queue_log("end", owner, key)
 
     def stop(self) -> None:
         """At the session's end: no compile goes on writing into its temporary folders."""
@@ -201,6 +248,16 @@ class AheadQueue:
 
 
 _AHEAD = AheadQueue()
+_QUEUE_LOG = os.environ.get("SDIREE_TEST_QUEUE_LOG")  # a file: when each compile starts and ends
+
+
+def _queue_log(event: str, owner, key, where: str = "background") -> None:
+    if _QUEUE_LOG:
+        import time
+
+        name = f"{owner.model.name}/{owner.out_dir(*key).name}"
+        with open(_QUEUE_LOG, "a") as f:
+            f.write(f"{time.time():.1f} {event} {where} {name}\n")
 
 
 def _compile_options(fields: dict):
@@ -267,24 +324,45 @@ class CompiledArtifacts:
         _AHEAD.take_back(self, key)  # not started: compiled here instead
         with _AHEAD.lock:
             started = self._ahead.get(key)
-        if started is not None:
+        if started is None:
+            self._compile_here(key)
+        else:
+            # while another process compiles it, this one compiles what is queued after it
+            _queue_log("wait", self, key, "foreground")
+            while not started.done() and (job := _AHEAD.steal()) is not None:
+                owner, other, future = job
+                owner._compile_here(other, future)
             code, output = started.result()
+            _queue_log("got", self, key, "foreground")
             if code != 0:
                 raise RuntimeError(f"compile {key} failed (exit {code}):\n{output}")
-        else:
-            from sdiree.compile.driver import compile_model
-            from sdiree.compile.report import Reporter
-
-            compile_model(_compile_options(self.options(key)), Reporter(stream=io.StringIO()))
         self._done[key] = self.out_dir(*key)
         return self._done[key]
+
+    def _compile_here(self, key: tuple, future: Future | None = None) -> None:
+        """Compile key's artifact in this process. A job taken from the queue (its future
+        given) hands its outcome to the test that waits for it, not to the one compiling it."""
+        from sdiree.compile.driver import compile_model
+        from sdiree.compile.report import Reporter
+
+        _queue_log("start", self, key, "foreground")
+        try:
+            compile_model(_compile_options(self.options(key)), Reporter(stream=io.StringIO()))
+        except Exception as error:
+            if future is None:
+                raise
+            future.set_exception(error)
+        else:
+            if future is not None:
+                future.set_result((0, ""))
+        _queue_log("end", self, key, "foreground")
 
 
 @pytest.fixture(scope="session")
 def compiled(tiny_model, artifacts_root, request):
     artifacts = CompiledArtifacts(tiny_model, artifacts_root)
-    if _ahead_wanted:
-        artifacts.compile_ahead(AHEAD)
+    # cpu fp32 first: most tests need it, and the tests that need no artifact run meanwhile
+    artifacts.compile_ahead([("cpu", "host", "fp32"), *(AHEAD if _ahead_wanted else ())])
     # queued now, behind SD 1.x's, rather than at their first test
     for wanted, fixture in (
         (_sdxl_ahead_wanted, "compiled_sdxl"),

@@ -101,6 +101,41 @@ def test_unwritable_out(tiny_model, tmp_path):
     assert blocker.read_text() == "not a directory"
 
 
+# What `sdiree compile` runs, reporting afterwards which heavy libraries it imported.
+IMPORTS_AFTER = """
+import sys
+from sdiree.runtime.cli import main
+try:
+    main(sys.argv[1:])
+finally:
+    heavy = [m for m in ("torch", "diffusers", "transformers", "iree.compiler") if m in sys.modules]
+    print("imported:", *heavy, file=sys.stdout)
+"""
+
+
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (("--arch", "bogus"), "unknown arch 'bogus'"),
+        (("--height", "100"), "multiple of 8"),
+        (("--dtype", "int4"), "dtype int4"),
+    ],
+    ids=["arch", "size", "dtype"],
+)
+def test_bad_options_are_said_before_the_heavy_imports(tiny_model, tmp_path, args, says):
+    """A wrong option is one line in well under a second: found before torch, diffusers or
+    transformers are imported (seconds), not after."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORTS_AFTER, "compile", str(tiny_model), "--target", "cpu",
+         *args, "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert_clean_failure(proc, says)
+    assert proc.stdout.strip() == "imported:", proc.stdout
+    assert not out.exists()
+
+
 def test_unknown_dtype(tiny_model, tmp_path):
     assert_clean_failure(
         run_compile(tiny_model, "--target", "cpu", "--dtype", "int4", "--out", tmp_path / "o"),
