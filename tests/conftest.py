@@ -132,11 +132,7 @@ _sd2_ahead_wanted = False
 _inpaint_ahead_wanted = False
 
 
-# The session fixtures whose artifacts the background compiles (through their own fixtures too)
-ARTIFACT_FIXTURES = (
-    "compiled", "compiled_sd2", "compiled_sdxl", "compiled_sizes", "compiled_inpaint",
-)  # fmt: skip
-_artifact_fixtures_wanted: set[str] = set()  # of ARTIFACT_FIXTURES, by the tests collected
+_artifact_fixtures_wanted: set[str] = set()  # of QUEUE_ORDER, by the tests collected
 
 
 def pytest_collection_modifyitems(items):
@@ -152,18 +148,28 @@ def pytest_collection_modifyitems(items):
     _artifact_fixtures_wanted = _needing_artifacts_last(items)
 
 
+# The order the background compiles the fixtures' artifacts in (`compiled` queues SDXL's, SD
+# 2.x's and the inpainting model's behind SD 1.x's; the extra sizes come last)
+QUEUE_ORDER = (
+    "compiled", "compiled_sdxl", "compiled_sd2", "compiled_inpaint", "compiled_sizes",
+)  # fmt: skip
+
+
 def _needing_artifacts_last(items) -> set[str]:
     """Reorder items, whole files at a time (their module fixtures stay set up once): first
     the files none of whose tests needs a compiled artifact, which run while the background
-    compiles them, then the others in their order. Returns the artifact fixtures needed."""
-    needs: dict[str, bool] = {}
+    compiles them, then the others by the last of their fixtures in the queue's order, so a
+    test seldom waits for an artifact the queue reaches late while others could run. Returns
+    the artifact fixtures needed."""
+    rank: dict[str, int] = {}
     wanted: set[str] = set()
     for item in items:
         path = item.nodeid.split("::")[0]
-        mine = set(item.fixturenames) & set(ARTIFACT_FIXTURES)
-        needs[path] = needs.get(path, False) or bool(mine)
+        mine = set(item.fixturenames) & set(QUEUE_ORDER)
+        last = max((QUEUE_ORDER.index(f) + 1 for f in mine), default=0)
+        rank[path] = max(rank.get(path, 0), last)
         wanted |= mine
-    items.sort(key=lambda i: needs[i.nodeid.split("::")[0]])  # stable: file order kept
+    items.sort(key=lambda i: rank[i.nodeid.split("::")[0]])  # stable: file order kept
     return wanted
 
 
@@ -172,7 +178,7 @@ def _compile_from_the_start(compile_cache, request):
     """The background starts on the artifacts at the first test, not at the first test that
     needs one: the tests that need none run beside it. SD 1.x's first (the `compiled` fixture
     queues the other models' behind its own), the extra sizes last."""
-    for fixture in ARTIFACT_FIXTURES:
+    for fixture in QUEUE_ORDER:
         if fixture in _artifact_fixtures_wanted:
             request.getfixturevalue(fixture)
 
