@@ -130,8 +130,6 @@ _sdxl_ahead_wanted = False
 _sizes_ahead_wanted = False
 _sd2_ahead_wanted = False
 _inpaint_ahead_wanted = False
-
-
 _artifact_fixtures_wanted: set[str] = set()  # of QUEUE_ORDER, by the tests collected
 
 
@@ -213,24 +211,26 @@ class AheadQueue:
         """The next job not started yet, for a process that would otherwise wait: (owner, key,
         the Future its own get() waits on), or None."""
         with self.lock:
-            if self.stopped or not self.items:
-                return None
-            owner, key = self.items.pop(0)
-            owner._ahead[key] = Future()
-            return owner, key, owner._ahead[key]
+            return self._pop()
 
     def _next(self):
         with self.lock:
-            if self.stopped or not self.items:
+            job = self._pop()
+            if job is None:
                 self._thread = None
-                return None
-            owner, key = self.items.pop(0)
-            owner._ahead[key] = Future()
-            return owner, key
+            return job
+
+    def _pop(self):
+        """(owner, key, its Future) of the first job not started, marked started; the lock held."""
+        if self.stopped or not self.items:
+            return None
+        owner, key = self.items.pop(0)
+        owner._ahead[key] = Future()
+        return owner, key, owner._ahead[key]
 
     def _run(self) -> None:
         while (job := self._next()) is not None:
-            owner, key = job
+            owner, key, future = job
             _queue_log("start", owner, key)
             try:
                 # its own process group: stop() kills it with its iree-compile child
@@ -239,9 +239,9 @@ class AheadQueue:
                     start_new_session=True,
                 )  # fmt: skip
                 output, _ = self.proc.communicate()
-                owner._ahead[key].set_result((self.proc.returncode, output))
+                future.set_result((self.proc.returncode, output))
             except BaseException as error:  # handed to the test that waits for it
-                owner._ahead[key].set_exception(error)
+                future.set_exception(error)
             _queue_log("end", owner, key)
 
     def stop(self) -> None:
