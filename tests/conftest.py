@@ -106,12 +106,14 @@ SDXL_TESTS = (
     "tests/runtime/test_sdxl_parity.py",
     "tests/compile/test_bench_families.py",
 )
-# The tiny SD 1.x compiled for more image sizes (`--sizes`), for tests/compile/test_compile_sizes.py:
-# one not square (its latents take Winograd convs), one at an odd latent side (5x5: im2col, and
-# the race its test looks for). Without the VAE encoder, which those tests never call: each size
-# adds UNet and VAE functions, and this artifact was the suite's largest compile (cpu: 1,700 s
-# with 3 sizes and the encoder, an Intel Xeon under the suite's load).
-SIZES = ((64, 48), (40, 40))  # (height, width) px, besides the main 64x64
+# The tiny SD 1.x compiled for two image sizes, for tests/compile/test_compile_sizes.py: its main
+# size not the model's own nor square (`--height/--width`; its latents take Winograd convs), and
+# one more (`--sizes`) at an odd latent side (5x5: im2col, and the race its test looks for).
+# Without the VAE encoder, which those tests never call: each size adds UNet and VAE functions,
+# and this artifact was the suite's largest compile (cpu: 1,700 s with the model's 64x64 too, 3
+# sizes and the encoder, an Intel Xeon under the suite's load; 332 s with 3 sizes, Zen 5).
+SIZES_MAIN = (64, 48)  # (height, width) px
+SIZES = ((40, 40),)  # besides SIZES_MAIN
 SIZES_SUBMODULES = ("text_encoder", "unet", "vae_decoder")
 SIZES_AHEAD = (("cpu", "host", "fp32"), ("vulkan-spirv", "lavapipe", "fp32"))
 # The tiny SD 2.x's and inpainting model's artifacts, queued last (a test that gets there first
@@ -291,17 +293,21 @@ class CompiledArtifacts:
     background process compiles one after another while the tests run. get() takes a queued key
     that the background has not started yet and compiles it itself, so both cores stay busy."""
 
-    def __init__(self, model: Path, root: Path, sizes: tuple = (), submodules: tuple = ()):
+    def __init__(
+        self, model: Path, root: Path, size=None, sizes: tuple = (), submodules: tuple = ()
+    ):
         self.model = model
         self.root = root
-        self.sizes = sizes  # `--sizes` besides the model's own, (height, width) px
+        self.size = size  # `--height/--width`, (height, width) px; None: the model's own
+        self.sizes = sizes  # `--sizes` besides the main one, (height, width) px
         self.submodules = submodules  # () is every submodule of the model's family
         self._done: dict = {}
         self._ahead: dict[tuple, Future] = {}  # started in the background
 
     def out_dir(self, target: str, arch: str, dtype: str) -> Path:
+        main = "" if self.size is None else "@{}x{}".format(*self.size)
         more = "".join(f"+{h}x{w}" for h, w in self.sizes)
-        return self.root / self.model.name / f"{target}-{arch}-{dtype}{more}"
+        return self.root / self.model.name / f"{target}-{arch}-{dtype}{main}{more}"
 
     def options(self, key: tuple) -> dict:
         """CompileOptions' fields (JSON-able) for the artifact of key."""
@@ -309,6 +315,7 @@ class CompiledArtifacts:
         return {
             "model_dir": str(self.model), "target": target, "arch": arch, "dtype": dtype,
             "out": str(self.out_dir(*key)), "sizes": [list(s) for s in self.sizes],
+            "height": self.size and self.size[0], "width": self.size and self.size[1],
             "submodules": list(self.submodules) or None,
         }  # fmt: skip
 
@@ -405,10 +412,10 @@ def compiled_sdxl(tiny_sdxl_model, artifacts_root):
 
 @pytest.fixture(scope="session")
 def compiled_sizes(tiny_model, artifacts_root):
-    """The tiny SD 1.x compiled at 64x64 and the SIZES too: queued for the background compile
+    """The tiny SD 1.x compiled at SIZES_MAIN and SIZES: queued for the background compile
     when tests/compile/test_compile_sizes.py is collected (after the others), else on first use."""
     artifacts = CompiledArtifacts(
-        tiny_model, artifacts_root, sizes=SIZES, submodules=SIZES_SUBMODULES
+        tiny_model, artifacts_root, size=SIZES_MAIN, sizes=SIZES, submodules=SIZES_SUBMODULES
     )
     if _sizes_ahead_wanted:
         artifacts.compile_ahead(SIZES_AHEAD)

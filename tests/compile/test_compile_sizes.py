@@ -1,9 +1,10 @@
 """`sdiree compile --sizes`: one artifact runs several image sizes, each as diffusers makes it.
 
-The tiny model compiled at 64x64 plus two sizes (a taller one, and one with odd latent sides,
-which diffusers' UNet upsamples to the skip connections' sizes) for cpu and lavapipe, text to
-image only (no VAE encoder: tests/conftest.py); images at the extra sizes through `sdiree run`'s own code path against diffusers' at those sizes
-(PSNR >= 40 dB), and the one-line refusals of a size the artifact lacks.
+The tiny model compiled for two sizes other than its own 64x64 (a main one taller than wide, and
+one more with odd latent sides, which diffusers' UNet upsamples to the skip connections' sizes)
+for cpu and lavapipe, text to image only (no VAE encoder: tests/conftest.py); images at both
+sizes through `sdiree run`'s own code path against diffusers' at those sizes (PSNR >= 40 dB),
+and the one-line refusals of a size the artifact lacks.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from conftest import SIZES  # noqa: E402
+from conftest import SIZES, SIZES_MAIN  # noqa: E402
 from parity import diffusers_images, psnr  # noqa: E402
 
 PROMPT = "a lighthouse at dusk, oil painting"
@@ -25,7 +26,8 @@ TARGETS = {"cpu": ("cpu", "host", 12), "vulkan-lavapipe": ("vulkan-spirv", "lava
 
 @pytest.fixture(scope="module", params=list(TARGETS))
 def sized(request, compiled_sizes):
-    """An artifact of the tiny model at 64x64 and SIZES (tests/conftest.py), and its steps."""
+    """An artifact of the tiny model at SIZES_MAIN and SIZES (tests/conftest.py), and its
+    steps."""
     target, arch, steps = TARGETS[request.param]
     return compiled_sizes.get(target, arch, "fp32"), steps
 
@@ -50,21 +52,20 @@ def test_manifest_lists_the_sizes_and_their_functions(sized):
     from sdiree.runtime.sizes import compiled_sizes
 
     manifest = load_manifest(sized[0])
-    assert compiled_sizes(manifest) == [(64, 64), *SIZES]
+    assert compiled_sizes(manifest) == [SIZES_MAIN, *SIZES]
     unet = manifest.submodules["unet"].functions
     shapes = {name: fn.inputs[0].shape[-2:] for name, fn in unet.items()}
     assert shapes == {
-        "denoise_cfg": (8, 8), "denoise": (8, 8),
-        "denoise_cfg_8x6": (8, 6), "denoise_8x6": (8, 6),
+        "denoise_cfg": (8, 6), "denoise": (8, 6),
         "denoise_cfg_5x5": (5, 5), "denoise_5x5": (5, 5),
     }  # fmt: skip
     decoder = manifest.submodules["vae_decoder"].functions
-    assert sorted(fn.inputs[0].shape[-2:] for fn in decoder.values()) == sorted(
-        [(8, 8), (8, 6), (5, 5)]
-    )
+    assert sorted(fn.inputs[0].shape[-2:] for fn in decoder.values()) == sorted([(8, 6), (5, 5)])
 
 
-@pytest.mark.parametrize("height,width", SIZES, ids=[f"{w}x{h}" for h, w in SIZES])
+@pytest.mark.parametrize(
+    "height,width", [SIZES_MAIN, *SIZES], ids=[f"{w}x{h}" for h, w in [SIZES_MAIN, *SIZES]]
+)
 def test_each_size_matches_diffusers(sized, tiny_model, tmp_path, height, width):
     art, steps = sized
     ours = run_image(art, tmp_path, width, height, steps)
@@ -76,7 +77,7 @@ def test_each_size_matches_diffusers(sized, tiny_model, tmp_path, height, width)
 def test_a_size_it_was_not_compiled_for_is_refused(sized, tmp_path):
     from sdiree.runtime.errors import UserError
 
-    with pytest.raises(UserError, match=r"compiled for 64x64, 48x64, 40x40; recompile"):
+    with pytest.raises(UserError, match=r"compiled for 48x64, 40x40; recompile"):
         run_image(sized[0], tmp_path, 56, 56, 1)
     assert not list(tmp_path.iterdir())  # nothing written
 
