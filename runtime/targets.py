@@ -268,10 +268,13 @@ EXPORT_CHOICES = {
     "linear": ("native", "flat"),
     "transformer": ("native", "channels_first"),  # the UNet's transformer blocks
     "winograd_output": ("batched", "interleaved"),  # a split Winograd conv's inverse transform
+    "layout": ("native", "channels_last"),  # the VAE decoder's activations between its convs
 }
 # positive integers, in submodule_export.unet only: F(4x4) from this input side; plain matmuls
 # where the input side is at most the latent's / this
 UNET_ONLY_EXPORT = ("winograd4_min_side", "plain_from_downscale")
+# choices other than "native" in submodule_export.vae_decoder only
+DECODER_ONLY_EXPORT = ("layout",)
 # positive integers, any submodule: Winograd convs one matmul per tile element from this side;
 # `chunked` attention's score block budget in bytes
 SIDE_EXPORT = ("winograd_split_min_side", "attention_block_bytes")
@@ -332,7 +335,9 @@ class _Checker:
             if key not in obj:
                 self.fail(where, f"has no '{key}'")
 
-    def export(self, choices: dict, where: str, unet: bool, nullable: bool = False) -> None:
+    def export(self, choices: dict, where: str, sub: str | None, nullable: bool = False) -> None:
+        """Export choices of submodule sub (None: of every submodule)."""
+        unet = sub == "unet"
         for key, value in choices.items():
             sized = key in UNET_ONLY_EXPORT or key in SIDE_EXPORT
             if value is None and nullable and (key in EXPORT_CHOICES or sized):
@@ -349,6 +354,11 @@ class _Checker:
                 self.fail(
                     f"{where}.{key}",
                     f"is {value!r:.60}, not one of {', '.join(EXPORT_CHOICES[key])}",
+                )
+            elif key in DECODER_ONLY_EXPORT and value != "native" and sub != "vae_decoder":
+                self.fail(
+                    f"{where}.{key}",
+                    "applies to the vae_decoder only (submodule_export.vae_decoder)",
                 )
 
     def names(self, keys, allowed, where: str, what: str) -> None:
@@ -379,9 +389,9 @@ def check_registry(data: dict, path: Path) -> None:
         c.names(t.get("dtype_options", {}), dtypes, f"{w}.dtype_options", "dtype")
         for key in ("submodule_flags", "submodule_export"):
             c.names(t.get(key, {}), submodules, f"{w}.{key}", "submodule")
-        c.export(t.get("export", {}), f"{w}.export", unet=False)
+        c.export(t.get("export", {}), f"{w}.export", None)
         for sub, choices in t.get("submodule_export", {}).items():
-            c.export(choices, f"{w}.submodule_export.{sub}", unet=sub == "unet")
+            c.export(choices, f"{w}.submodule_export.{sub}", sub)
         c.names(t.get("tuning_specs", {}), [*submodules, "*"], f"{w}.tuning_specs", "submodule")
         c.names(
             [t.get("tuning_spec_via", "flag")],
@@ -400,7 +410,7 @@ def check_registry(data: dict, path: Path) -> None:
             )
             for sub, choices in opt.get("submodule_export", {}).items():
                 at = f"{wd}.submodule_export.{sub}"
-                c.export(choices, at, unet=sub == "unet", nullable=True)
+                c.export(choices, at, sub, nullable=True)
         for a, spec in t["arches"].items():
             wa = f"{w}.arches.{a}"
             c.fields(spec, ARCH_FIELDS, (), wa)
@@ -409,7 +419,7 @@ def check_registry(data: dict, path: Path) -> None:
                 spec.get("tuning_specs", {}), [*submodules, "*"], f"{wa}.tuning_specs", "submodule"
             )
             c.names(spec.get("device", {}), DEVICE_FIELDS, f"{wa}.device", "device requirement")
-            c.export(spec.get("export", {}), f"{wa}.export", unet=False, nullable=True)
+            c.export(spec.get("export", {}), f"{wa}.export", None, nullable=True)
             for pattern in spec.get("device_match", ()):
                 try:
                     re.compile(pattern)

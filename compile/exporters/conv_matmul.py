@@ -18,14 +18,19 @@ import types
 
 import torch
 
-from .im2col import conv2d_as_matmul, supported
+from .im2col import conv2d_as_matmul, conv2d_as_matmul_nhwc, supported
 from .winograd import (
     WINOGRAD_OUTPUTS,
     WINOGRAD_TILES,
     add_winograd_weights,
     conv2d_winograd,
+    conv2d_winograd_nhwc,
     derived_tag,
 )
+
+# Each conv given a lowering also gets its channels-last form, [N, H, W, C] in and out, under
+# this attribute (exporters that keep activations channels-last call it: vae_channels_last.py).
+CHANNELS_LAST_FORWARD = "forward_channels_last"
 
 # "native": torch's Conv2d as traced; "matmul": im2col + matmul; "winograd": Winograd F(2x2,3x3)
 # for 3x3 stride-1 convs on even sizes (2.25x fewer multiplies), im2col + matmul for the rest.
@@ -70,15 +75,18 @@ def convs_as_matmuls(
     for m in model.modules():
         if isinstance(m, torch.nn.Conv2d) and supported(m):
             tile = (tiles or {}).get(m, WINOGRAD_TILES.get(conv))
-            if tile == 0:  # plain, by the tiles' choice
-                lowering = conv2d_as_matmul
+            channels_last = None
+            if tile == 0 or (tile is None and forward is conv2d_as_matmul):
+                lowering, channels_last = conv2d_as_matmul, conv2d_as_matmul_nhwc
             elif tile is None:
                 lowering = forward
             else:
-                lowering = functools.partial(
-                    conv2d_winograd, m=tile, output=winograd_output, split_min_side=split_min_side
-                )
+                kw = {"m": tile, "output": winograd_output, "split_min_side": split_min_side}
+                lowering = functools.partial(conv2d_winograd, **kw)
+                channels_last = functools.partial(conv2d_winograd_nhwc, **kw)
             m.forward = types.MethodType(lowering, m)
+            if channels_last is not None:
+                setattr(m, CHANNELS_LAST_FORWARD, types.MethodType(channels_last, m))
             count += 1
     return count
 

@@ -9,13 +9,17 @@ import torch.nn.functional as F
 
 
 def conv2d_as_matmul(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    n, c, h, w = x.shape
+    return conv2d_as_matmul_nhwc(conv, x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def conv2d_as_matmul_nhwc(conv: torch.nn.Conv2d, xh: torch.Tensor) -> torch.Tensor:
+    """The same on a channels-last input [N, H, W, C]; channels-last output [N, OH, OW, O]."""
+    n, h, w, c = xh.shape
     o, _, kh, kw = conv.weight.shape
     sh, sw = conv.stride
     ph, pw = conv.padding
     oh = (h + 2 * ph - kh) // sh + 1
     ow = (w + 2 * pw - kw) // sw + 1
-    xh = x.permute(0, 2, 3, 1)
     if ph or pw:
         xh = F.pad(xh, (0, 0, pw, pw, ph, ph))
     windows = [
@@ -28,7 +32,7 @@ def conv2d_as_matmul(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     out = torch.mm(cols.reshape(n * oh * ow, kh * kw * c), weight)
     if conv.bias is not None:
         out = out + conv.bias
-    return out.reshape(n, oh, ow, o).permute(0, 3, 1, 2)
+    return out.reshape(n, oh, ow, o)
 
 
 def supported(conv: torch.nn.Conv2d) -> bool:

@@ -31,6 +31,18 @@ class VaeDecodeEntry(torch.nn.Module):
         return self.vae.decode(latents / self.scaling_factor, return_dict=False)[0]
 
 
+class VaeDecodeChannelsLast(VaeDecodeEntry):
+    """VaeDecodeEntry with the decoder's activations channels-last (vae_channels_last.py)."""
+
+    def forward(self, latents):
+        from .vae_channels_last import decode
+
+        z = latents / self.scaling_factor
+        if self.vae.post_quant_conv is not None:
+            z = self.vae.post_quant_conv(z)
+        return decode(self.vae.decoder, z)
+
+
 class VaeEncodeEntry(torch.nn.Module):
     def __init__(self, vae: torch.nn.Module, scaling_factor: float):
         super().__init__()
@@ -44,8 +56,17 @@ class VaeEncodeEntry(torch.nn.Module):
 
 def _plan(
     vae, *, submodule, entry_cls, fname, in_name, out_names, batch, image_hw, dtype, attention, conv,
-    winograd_output, winograd_split_min_side, attention_block_bytes
+    winograd_output, winograd_split_min_side, attention_block_bytes, layout="native"
 ):  # fmt: skip
+    from .vae_channels_last import LAYOUTS, unsupported
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"export layout choice must be one of {LAYOUTS}, not {layout!r}")
+    if layout == "channels_last":
+        why = unsupported(vae.decoder)
+        if why:
+            raise ValueError(f"export layout channels_last: this VAE's decoder cannot: {why}")
+        entry_cls = VaeDecodeChannelsLast
     set_attention(vae, attention, attention_block_bytes)
     derived = set_conv_lowering(
         vae, conv, winograd_output=winograd_output, split_min_side=winograd_split_min_side
@@ -76,21 +97,21 @@ def _plan(
                 fn=entry,
             )
         ],
-        options={"attention": attention, "conv": conv},
+        options={"attention": attention, "conv": conv, "layout": layout},
         derived=derived,
     )
 
 
 def plan_vae_decoder(
     vae, *, batch, image_hw, dtype, attention, conv="native", winograd_output="batched",
-    winograd_split_min_side=None, attention_block_bytes=None,
+    winograd_split_min_side=None, attention_block_bytes=None, layout="native",
 ) -> ExportPlan:  # fmt: skip
     return _plan(
         vae, submodule="vae_decoder", entry_cls=VaeDecodeEntry, fname="decode",
         in_name="latents", out_names=("image",),
         batch=batch, image_hw=image_hw, dtype=dtype, attention=attention, conv=conv,
         winograd_output=winograd_output, winograd_split_min_side=winograd_split_min_side,
-        attention_block_bytes=attention_block_bytes,
+        attention_block_bytes=attention_block_bytes, layout=layout,
     )  # fmt: skip
 
 

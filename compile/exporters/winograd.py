@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from sdiree.runtime.weights.winograd import WINOGRAD, WINOGRAD_PARAM
 
 from ..placeholders import is_placeholder, mark, placeholder
-from .im2col import conv2d_as_matmul, supported
+from .im2col import conv2d_as_matmul, conv2d_as_matmul_nhwc, supported
 
 # The Winograd choices and their output tile size m of F(m x m, 3x3).
 WINOGRAD_TILES = {"winograd": 2, "winograd4": 4}
@@ -79,11 +79,26 @@ def conv2d_winograd(
     batched matmul (see _winograd_batched)."""
     if not winograd_applies(conv, x, m):
         return conv2d_as_matmul(conv, x)
+    return conv2d_winograd_nhwc(conv, x.permute(0, 2, 3, 1), m, output, split_min_side).permute(
+        0, 3, 1, 2
+    )
+
+
+def conv2d_winograd_nhwc(
+    conv: torch.nn.Conv2d,
+    xh: torch.Tensor,
+    m: int = WINOGRAD_TILE,
+    output: str = "batched",
+    split_min_side: int | None = None,
+):
+    """conv2d_winograd on a channels-last input [N, H, W, C], its output channels-last too."""
+    n, h, w, c = xh.shape
+    if not (_winograd_kernel(conv) and h % m == 0 and w % m == 0):
+        return conv2d_as_matmul_nhwc(conv, xh)
     u = getattr(conv, WINOGRAD_PARAM, None)
     if u is None:
         u = winograd_weight(conv.weight, m)
-    xp = F.pad(x.permute(0, 2, 3, 1), (0, 0, 1, 1, 1, 1))  # [N, H+2, W+2, C]
-    n, c, h, w = x.shape
+    xp = F.pad(xh, (0, 0, 1, 1, 1, 1))  # [N, H+2, W+2, C]
     th, tw = h // m, w // m
     shape = (n, th, tw, u.shape[-1])
     if split_min_side is not None and min(h, w) >= split_min_side:
@@ -96,7 +111,7 @@ def conv2d_winograd(
         y = _inverse_batched(_winograd_batched(xp, u, m, th, tw), m, shape)
     if conv.bias is not None:
         y = y + conv.bias
-    return y.permute(0, 3, 1, 2)
+    return y
 
 
 def _winograd_batched(xp: torch.Tensor, u: torch.Tensor, m: int, th: int, tw: int):

@@ -124,6 +124,19 @@ CASES = {
         _cpu(lambda t: t["submodule_export"]["vae_encoder"].__setitem__("winograd4_min_side", 8)),
         "winograd4_min_side applies to the unet only",
     ),
+    "decoder-only-layout-for-the-unet": (
+        _cpu(lambda t: t["submodule_export"]["unet"].__setitem__("layout", "channels_last")),
+        "targets.cpu.submodule_export.unet.layout applies to the vae_decoder only",
+    ),
+    "decoder-only-layout-for-every-submodule": (
+        _cpu(lambda t: t["export"].__setitem__("layout", "channels_last")),
+        "targets.cpu.export.layout applies to the vae_decoder only",
+    ),
+    "unknown-layout": (
+        _cpu(lambda t: t["submodule_export"]["vae_decoder"].__setitem__("layout", "nhwc")),
+        "targets.cpu.submodule_export.vae_decoder.layout is 'nhwc', not one of native, "
+        "channels_last",
+    ),
     "winograd4-min-side-a-string": (
         _cpu(lambda t: t["submodule_export"]["unet"].__setitem__("winograd4_min_side", "32")),
         "winograd4_min_side must be a positive integer, not '32'",
@@ -222,10 +235,12 @@ def test_export_choices_match_the_exporters():
     from sdiree.compile.exporters.channels_first import TRANSFORMER_CHOICES
     from sdiree.compile.exporters.conv_matmul import CONV_CHOICES
     from sdiree.compile.exporters.linear_flat import LINEAR_CHOICES
+    from sdiree.compile.exporters.vae_channels_last import LAYOUTS
     from sdiree.compile.exporters.winograd import WINOGRAD_OUTPUTS
     from sdiree.runtime.targets import EXPORT_CHOICES
 
     assert EXPORT_CHOICES == {
         "attention": ATTENTIONS, "conv": CONV_CHOICES, "linear": LINEAR_CHOICES,
         "transformer": TRANSFORMER_CHOICES, "winograd_output": WINOGRAD_OUTPUTS,
+        "layout": LAYOUTS,
     }  # fmt: skip

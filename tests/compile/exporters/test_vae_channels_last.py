@@ -1,0 +1,70 @@
+"""The `layout: channels_last` VAE decoder export: diffusers' decoder blocks rerun on [N, H, W, C]
+give its image for every conv lowering, with the VAE's own parameters; VAEs it cannot take and
+submodules it does not apply to are refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sdiree.compile.exporters.conv_matmul import set_conv_lowering  # noqa: E402
+from sdiree.compile.exporters.vae import plan_vae_decoder  # noqa: E402
+from sdiree.compile.exporters.vae_channels_last import decode, unsupported  # noqa: E402
+
+
+def vae(**kw):
+    """Two levels with an upsampler, a shortcut conv (32 -> 16 channels) and mid attention."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    config = dict(
+        block_out_channels=(16, 32), layers_per_block=1, norm_num_groups=8, latent_channels=4,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+    )  # fmt: skip
+    return AutoencoderKL(**{**config, **kw}).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize(
+    "conv,split",
+    [("native", None), ("matmul", None), ("winograd", None), ("winograd4", None),
+     ("winograd4", 8), ("winograd", 8)],
+)  # fmt: skip
+def test_decoder_gives_diffusers_image_for_each_conv_lowering(conv, split):
+    model = vae()
+    z = torch.randn(2, 4, 8, 12)
+    with torch.no_grad():
+        want = model.decoder(z)
+        names = list(model.state_dict())
+        set_conv_lowering(model, conv, winograd_output="batched", split_min_side=split)
+        got = decode(model.decoder, z)
+    assert got.shape == want.shape == (2, 3, 16, 24)
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
+    assert [n for n in model.state_dict() if "winograd" not in n] == names
+
+
+def test_the_plan_traces_the_channels_last_decode_and_diffusers_decode_alike():
+    model = vae()
+    latents = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        want = model.decode(latents / model.config.scaling_factor).sample
+        plan = plan_vae_decoder(
+            model, batch=1, image_hw=(16, 16), dtype=torch.float32, attention="decomposed",
+            conv="winograd4", layout="channels_last",
+        )  # fmt: skip
+        got = plan.root(latents)
+    assert plan.options["layout"] == "channels_last"
+    assert type(plan.root).__name__ == "VaeDecodeChannelsLast"
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
+
+
+def test_a_decoder_it_cannot_take_and_a_bad_choice_are_one_line():
+    model = vae(norm_num_groups=8)
+    assert unsupported(model.decoder) is None
+    model.decoder.conv_norm_out = torch.nn.LayerNorm(16)
+    assert unsupported(model.decoder) == "its output norm is not a GroupNorm"
+    kw = dict(batch=1, image_hw=(16, 16), dtype=torch.float32, attention="decomposed")
+    with pytest.raises(ValueError, match="this VAE's decoder cannot: its output norm"):
+        plan_vae_decoder(model, layout="channels_last", **kw)
+    with pytest.raises(ValueError, match="export layout choice must be one of"):
+        plan_vae_decoder(vae(), layout="nhwc", **kw)
