@@ -46,14 +46,17 @@ def unsupported(decoder: torch.nn.Module) -> str | None:
 
 def group_norm(norm: torch.nn.GroupNorm, xh: torch.Tensor) -> torch.Tensor:
     """norm on a channels-last tensor: each group's mean and variance over its pixels and
-    channels, in the input's dtype (the cpu VAE is traced in float32)."""
+    channels, in float32 whatever the input's dtype (as norm_precision.py has every GroupNorm
+    of a half-precision export compute)."""
     n, h, w, c = xh.shape
-    x = xh.reshape(n, h * w, norm.num_groups, c // norm.num_groups)
+    x = xh.float().reshape(n, h * w, norm.num_groups, c // norm.num_groups)
     mean = x.mean(dim=(1, 3), keepdim=True)
     centered = x - mean
     var = (centered * centered).mean(dim=(1, 3), keepdim=True)
     y = (centered * torch.rsqrt(var + norm.eps)).reshape(n, h, w, c)
-    return y * norm.weight + norm.bias if norm.affine else y
+    if norm.affine:
+        y = y * norm.weight.float() + norm.bias.float()
+    return y.to(xh.dtype)
 
 
 def conv(mod: torch.nn.Conv2d, xh: torch.Tensor) -> torch.Tensor:
