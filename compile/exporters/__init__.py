@@ -75,9 +75,6 @@ def plan_for(builder, submodule: str):
         "winograd_split_min_side": options.get("winograd_split_min_side"),
         "attention_block_bytes": options.get("attention_block_bytes"),
     }
-    layout = options.get("layout", "native")
-    if layout != "native" and submodule != "vae_decoder":
-        raise ValueError(f"export option layout {layout} applies to the vae_decoder only")
     model = builder.torch_model(COMPONENTS[submodule])
     set_linear_lowering(model, options.get("linear", "native"))
     encoders = {te["submodule"]: te for te in p.family.text_encoders}
@@ -116,8 +113,8 @@ def plan_for(builder, submodule: str):
         if key in options:
             raise ValueError(f"export option {key} applies to the unet, not {submodule}")
     vae_plan = plan_vae_decoder if submodule == "vae_decoder" else plan_vae_encoder
-    if submodule == "vae_decoder":
-        shared["layout"] = layout
+    if submodule == "vae_decoder":  # the registry allows `layout` nowhere else
+        shared["layout"] = options.get("layout", "native")
     # The whole image, or one entry function per tile shape (compile/plan.py); the main
     # function keeps its name, the others are named for their input's height and width.
     plans = [

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from sdiree.runtime.weights.winograd import WINOGRAD, WINOGRAD_PARAM
 
 from ..placeholders import is_placeholder, mark, placeholder
-from .im2col import conv2d_as_matmul, conv2d_as_matmul_nhwc, supported
+from .im2col import conv2d_as_matmul_nhwc, supported
 
 # The Winograd choices and their output tile size m of F(m x m, 3x3).
 WINOGRAD_TILES = {"winograd": 2, "winograd4": 4}
@@ -77,11 +77,8 @@ def conv2d_winograd(
     split_min_side (export choice `winograd_split_min_side`) they are one matmul per tile
     element, their products transformed back as output (WINOGRAD_OUTPUTS) says; elsewhere one
     batched matmul (see _winograd_batched)."""
-    if not winograd_applies(conv, x, m):
-        return conv2d_as_matmul(conv, x)
-    return conv2d_winograd_nhwc(conv, x.permute(0, 2, 3, 1), m, output, split_min_side).permute(
-        0, 3, 1, 2
-    )
+    xh = x.permute(0, 2, 3, 1)  # conv2d_as_matmul's own first step where Winograd does not apply
+    return conv2d_winograd_nhwc(conv, xh, m, output, split_min_side).permute(0, 3, 1, 2)
 
 
 def conv2d_winograd_nhwc(
