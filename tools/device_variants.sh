@@ -8,7 +8,7 @@
 # target's entry in specs/targets.json (KEY dotted; `flags+=` appends to a list):
 #   TARGET=cuda bash tools/device_variants.sh base 'pow2:export.attention="sdpa_pow2"' \
 #       'nhwc:export.attention="sdpa_pow2";submodule_flags.unet+=["--iree-preprocessing-pass-pipeline=builtin.module(iree-preprocessing-transpose-convolution-pipeline)"]'
-# BENCH names the variant benched against torch (default: the second, else the first);
+# BENCH names the variant benched against torch (default: the second, else the first; `none`: none);
 # PROFILE the variants profiled (default: all; `none`: none). A variant whose patch keeps
 # another's export (flags only) can share its cache: REUSE="NAME:FROM ...". Outputs in $OUT:
 # ab.json, bench.json/.log, ncu-NAME.txt, and compile-NAME.log of a variant that failed to
@@ -85,10 +85,12 @@ if [ ${#built[@]} -gt 1 ]; then
 fi
 
 bench=${BENCH:-${names[1]:-${names[0]}}}
-echo "=== bench $bench against torch"
-SDIREE_CACHE=$(cache_of "$bench") timeout 240 python3 tools/bench.py "$MODEL" --height "$HW" --width "$HW" --target "$TARGET" \
-    --specs "/tmp/specs-$bench" --out "$ART/$bench" --torch-device cuda --steps 20 --runs 3 \
-    --warmup 1 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || echo "=== bench failed"
+if [ "$bench" != none ]; then
+    echo "=== bench $bench against torch"
+    SDIREE_CACHE=$(cache_of "$bench") timeout 240 python3 tools/bench.py "$MODEL" --height "$HW" --width "$HW" \
+        --target "$TARGET" --specs "/tmp/specs-$bench" --out "$ART/$bench" --torch-device cuda --steps 20 \
+        --runs 3 --warmup 1 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || echo "=== bench failed"
+fi
 
 for name in ${PROFILE:-${names[@]}}; do
     [ -f "$ART/$name/manifest.json" ] || continue
