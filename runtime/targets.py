@@ -264,7 +264,14 @@ DTYPE_OPTION_FIELDS = {
 # they are repeated here and a test keeps them equal).
 EXPORT_CHOICES = {
     "attention": ("sdpa", "sdpa_pow2", "sdpa_pow2_keys", "decomposed", "chunked"),
-    "conv": ("native", "matmul", "winograd", "winograd4", "pointwise_einsum"),
+    "conv": (
+        "native",
+        "matmul",
+        "winograd",
+        "winograd4",
+        "pointwise_einsum",
+        "pointwise_einsum_fhwc",
+    ),
     "linear": ("native", "flat"),
     "transformer": ("native", "channels_first"),  # the UNet's transformer blocks
     "winograd_output": ("batched", "interleaved"),  # a split Winograd conv's inverse transform

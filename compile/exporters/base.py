@@ -102,7 +102,7 @@ def save_parameters(
     parameter (compile/placeholders.py) is read from it, one tensor at a time, and a derived one
     computed from it; without, every tensor is the module's own."""
     from ..archive_writer import ArchiveEntry, write_archive
-    from .winograd import derived_weight_maker, is_derived
+    from .derived import derived_weight_maker, is_derived
 
     entries = []
     for name, tensor in module.state_dict(keep_vars=True).items():
@@ -116,7 +116,7 @@ def save_parameters(
 def _tensor_maker(name, tensor, source, derived_weight_maker):
     """Where the archive takes name's bytes from: a file range, or a function making it."""
     from ..placeholders import is_placeholder
-    from .winograd import is_derived
+    from .derived import is_derived
 
     if source is None or not is_placeholder(tensor):
         if is_placeholder(tensor):

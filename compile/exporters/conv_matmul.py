@@ -18,6 +18,8 @@ import types
 
 import torch
 
+from .fhwc import DERIVED_TAG as FHWC_TAG
+from .fhwc import add_fhwc_weights, conv_on_fhwc_filter
 from .im2col import conv2d_as_matmul, conv2d_as_matmul_nhwc, supported
 from .winograd import (
     WINOGRAD_OUTPUTS,
@@ -43,7 +45,16 @@ CHANNELS_LAST_FORWARD = "forward_channels_last"
 # operand, the rest native. iree 3.13's cuda fp16 (tensor core) codegen gets a contraction wrong
 # when its first operand holds the output's inner dimension, which is how IREE itself rewrites a
 # 1x1 NCHW conv (rel error ~1.3 on an H100); the weight-first einsum keeps the right order.
-CONV_CHOICES = ("native", "matmul", "winograd", "winograd4", "pointwise_einsum")
+# "pointwise_einsum_fhwc": the same, every other conv on its filter stored channels-last, a
+# derived parameter (fhwc.py): for targets that compile convs channels-last (cuda's UNet).
+CONV_CHOICES = (
+    "native",
+    "matmul",
+    "winograd",
+    "winograd4",
+    "pointwise_einsum",
+    "pointwise_einsum_fhwc",
+)
 
 
 def conv1x1_as_einsum(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +68,11 @@ def conv1x1_as_einsum(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
 
 
 # The non-Winograd lowerings; a Winograd choice's convs take conv2d_winograd with their tile.
-LOWERINGS = {"matmul": conv2d_as_matmul, "pointwise_einsum": conv1x1_as_einsum}
+LOWERINGS = {
+    "matmul": conv2d_as_matmul,
+    "pointwise_einsum": conv1x1_as_einsum,
+    "pointwise_einsum_fhwc": conv_on_fhwc_filter,
+}
 
 
 def convs_as_matmuls(
@@ -154,4 +169,6 @@ def set_conv_lowering(
     if conv == "native":
         return None
     convs_as_matmuls(model, conv, tiles, winograd_output, split_min_side)
+    if conv == "pointwise_einsum_fhwc":
+        return FHWC_TAG if add_fhwc_weights(model) else None
     return derived_tag(add_winograd_weights(model, m, tiles)) if m else None

@@ -265,8 +265,3 @@ def derived_tag(tiles_by_name: dict[str, int]) -> str | None:
         return f"winograd{used[0]}"
     digest = hashlib.sha256(json.dumps(sorted(tiles_by_name.items())).encode()).hexdigest()
     return f"winograd{'+'.join(map(str, used))}-{digest[:8]}"
-
-
-def is_derived(name: str) -> bool:
-    """A parameter computed at export (not in the model's files): saved to its own archive."""
-    return name.endswith("." + WINOGRAD_PARAM)

@@ -5,7 +5,8 @@ A `WeightOverrides` holds, per parameter scope, the tensors to load instead of t
 Session's context loads from: a scope without replacements is the archive as compiled; a scope
 with some is an index whose untouched entries still point into the archive's memory map (no
 copy) and whose replaced ones point at the new arrays. What compile derived from the weights is
-derived again from the replaced ones: Winograd-transformed 3x3 weights (cpu) in numpy, and a
+derived again from the replaced ones: Winograd-transformed 3x3 weights (cpu) and channels-last
+filters (cuda's UNet) in numpy (derived.py), and a
 target's encoded (pre-packed) weights by running the parameter encoder the artifact keeps, once
 per set of weights: cached under the user cache when the set has a digest (a weights file, a
 VAE), else written to a temp file that is unlinked as soon as it is mapped (LoRA merges).
@@ -30,10 +31,10 @@ from ..fileutil import remove_stale_temps, sha256_json, temp_path_for, user_cach
 from ..manifest import Manifest
 from ..residency import file_identity
 from .archive import Archive
+from .derived import base_key, derived_weight
 from .encoder import encoder_device
 from .pages import load_archive, store_encoded
 from .repack import REPACK_ENV, layout_for, repacked_index
-from .winograd import base_key, winograd_weight
 
 ENCODED_CACHE = "encoded"  # under the user cache: <key>/<submodule>.encoded.irpa
 # Sets of encoded weights kept there, the most recently used first: each is as large as the
@@ -167,7 +168,7 @@ class LoadedWeights:
                 elif e.recovered and not read_back:
                     continue  # the artifact dropped it, and no module names it
                 elif base is not None and base in replaced:
-                    _add_array(index, key, winograd_weight(weight(base), e.shape[0]), keep)
+                    _add_array(index, key, derived_weight(key, weight(base), e.shape), keep)
                 elif e.splat is not None:
                     index.add_splat(key, np.frombuffer(e.splat, np.uint8).copy(), e.length)
                 elif e.recovered:  # the artifact dropped it: read back from the encoded
@@ -181,7 +182,7 @@ class LoadedWeights:
                 u = next((x for a in originals if (x := a.read_back(key, shape, dtype)) is not None),
                          None)  # fmt: skip
             if u is None:
-                u = winograd_weight(weight(base), shape[0])
+                u = derived_weight(key, weight(base), shape)
             if u.shape != shape:
                 raise UserError(
                     f"{self.manifest.root}: derived weight {key} should be {list(shape)}, the "

@@ -21,9 +21,9 @@ import numpy as np
 
 from ..fileutil import remove_stale_temps, sha256_json, temp_path_for, user_cache_dir
 from .archive import Archive
+from .derived import base_key, derived_weight
 from .layout import BUDGET_ENV, Layout, codable, learn, narrow_dtype, repack
 from .pages import entry_views, splat_entries
-from .winograd import base_key, winograd_weight
 
 LAYOUT_CACHE = "encoded-layouts"  # under the user cache: <submodule>-<key>.json
 REPACK_ENV = "SDIREE_ENCODED_REPACK"  # "0": always run the encoder (A/B, debugging)
@@ -118,7 +118,7 @@ def learn_layout(
         for a in (*archives, *derived_from):
             if k in a.entries:
                 return a.array(k)
-        return winograd_weight(weight(base_key(k)), params[k][0][0])
+        return derived_weight(k, weight(base_key(k)), params[k][0])
 
     return learn(encoder_vmfb, in_scope, params, weight, set(derived), encoded, out_scope, device,
                  work, narrow)  # fmt: skip
@@ -147,7 +147,7 @@ def repacked_index(
     views = entry_views(encoded, private=True)
     weights = dict(replaced)
     for d, shape in derived.items():
-        weights[d] = winograd_weight(replaced[base_key(d)], shape[0])
+        weights[d] = derived_weight(d, replaced[base_key(d)], shape)
     repack(layout, views, weights)
     index = rt.ParameterIndex()
     for key, pattern, length in splat_entries(encoded):

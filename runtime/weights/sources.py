@@ -23,8 +23,8 @@ from ..errors import UserError
 from ..fileutil import cached_sha256, read_json_dict, user_cache_dir
 from ..manifest import Manifest
 from .archive import Archive
+from .derived import base_key
 from .overrides import WeightOverrides
-from .winograd import base_key
 
 # The model component each parameter scope holds, as checkpoints and LoRAs name them.
 SCOPE_COMPONENTS = {

@@ -42,12 +42,6 @@ WINOGRAD = {
 WINOGRAD_PARAM = "weight_winograd"
 
 
-def base_key(derived_key: str) -> str | None:
-    """`<conv>.weight` for `<conv>.weight_winograd`; None for any other key."""
-    suffix = "." + WINOGRAD_PARAM
-    return derived_key[: -len(suffix)] + ".weight" if derived_key.endswith(suffix) else None
-
-
 def winograd_weight(weight: np.ndarray, tiles: int) -> np.ndarray:
     """G g G^T of a [O, C, 3, 3] weight for `tiles` = (m+2)^2 transformed taps, computed in
     float64: [(m+2)^2, C, O] in weight's dtype."""

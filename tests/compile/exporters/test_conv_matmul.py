@@ -116,7 +116,7 @@ def test_winograd_weights_are_derived_parameters_with_the_same_result(tmp_path):
 
     from sdiree.compile.exporters.base import save_parameters
     from sdiree.compile.exporters.conv_matmul import set_conv_lowering
-    from sdiree.compile.exporters.winograd import is_derived
+    from sdiree.compile.exporters.derived import is_derived
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(

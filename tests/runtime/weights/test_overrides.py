@@ -105,3 +105,32 @@ def test_an_artifact_without_its_encoders_is_refused(compiled, tmp_path):
     (art / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(UserError, match="did not keep its parameter encoders.*recompile"):
         _generate(art, WeightOverrides({"unet": _own_weights(art)["unet"]}, digest=""))
+
+
+def test_cuda_channels_last_filters_are_derived_from_replaced_weights(compiled, monkeypatch):
+    """cuda's UNet reads its convs' filters channels-last from a derived archive
+    (`<conv>.weight_fhwc`, compile/exporters/fhwc.py): a replaced conv weight (--weights, a
+    LoRA) serves its own filter there, transposed from the new weight; an untouched one is read
+    from the artifact. (The index is built without a device: nothing of cuda's runs here.)"""
+    from sdiree.runtime.weights import overrides
+
+    art = compiled.get("cuda", "sm_80", "fp16")
+    m = load_manifest(art)
+    own = Archive(art / "unet.irpa")
+    new = {
+        k: (np.array(own.array(k)) * np.float16(-2)).astype(np.float16)
+        for k in ("conv_in.weight", "down_blocks.0.resnets.0.conv1.weight")
+    }
+    served: dict[str, np.ndarray] = {}
+    real = overrides._add_array
+    monkeypatch.setattr(
+        overrides,
+        "_add_array",
+        lambda i, k, a, keep: (served.__setitem__(k, a), real(i, k, a, keep)),
+    )
+    loaded = overrides.LoadedWeights(m, ("unet",), WeightOverrides({"unet": new}), device=None)
+    for k, w in new.items():
+        np.testing.assert_array_equal(served[k + "_fhwc"], w.transpose(0, 2, 3, 1))
+    assert "down_blocks.0.resnets.0.conv2.weight_fhwc" not in served
+    keys = {k for k, _ in loaded.indices["unet"].items()}
+    assert "down_blocks.0.resnets.0.conv2.weight_fhwc" in keys and "conv_in.weight_fhwc" in keys

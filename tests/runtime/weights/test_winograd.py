@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sdiree.runtime.weights.winograd import WINOGRAD, base_key, winograd_weight
+from sdiree.runtime.weights.derived import base_key
+from sdiree.runtime.weights.winograd import WINOGRAD, winograd_weight
 
 torch = pytest.importorskip("torch")
 
