@@ -11,7 +11,8 @@
 # BENCH names the variant benched against torch (default: the second, else the first; `none`: none);
 # PROFILE the variants profiled (default: all; `none`: none). A variant whose patch keeps
 # another's export (flags only) can share its cache: REUSE="NAME:FROM ...". Outputs in $OUT:
-# ab.json, bench.json/.log, ncu-NAME.txt, and compile-NAME.log of a variant that failed to
+# ab.json, ab-vae.json, memory.jsonl (tools/load_memory.py of each variant's UNet and VAE decoder),
+# bench.json/.log, ncu-NAME.txt, and compile-NAME.log of a variant that failed to
 # compile ($OUT brings back at most 8 files). tools/PERFORMANCE.md ("fifteenth") has a run.
 source "$(dirname "$0")/device_env.sh"
 TARGET=${TARGET:-cuda}
@@ -82,7 +83,30 @@ if [ ${#built[@]} -gt 1 ]; then
     echo "=== A/B of the UNet call: ${built[*]}"
     timeout 240 python3 tools/module_ab.py "${built[@]}" --runs "${RUNS:-10}" --json "$OUT/ab.json" ||
         echo "=== A/B failed"
+    echo "=== A/B of the VAE decode"
+    timeout 180 python3 tools/module_ab.py "${built[@]}" --submodule vae_decoder --function decode \
+        --runs "${RUNS:-10}" --json "$OUT/ab-vae.json" || echo "=== VAE A/B failed"
 fi
+# What each variant's UNet and VAE decoder hold on the device (tools/load_memory.py: the HAL
+# allocator's live bytes after the load, its peak after one call), one process each.
+for b in "${built[@]}"; do
+    for sf in "unet denoise_cfg" "vae_decoder decode"; do
+        read -r sub fn <<< "$sf"
+        timeout 60 python3 tools/load_memory.py "$b" "$sub" --call "$fn" 2>&1 | tail -n 1 >> "$OUT/memory.jsonl"
+    done
+done
+python3 -c "
+import json, sys
+for line in open(sys.argv[1]):
+    try:
+        d = json.loads(line)
+    except ValueError:
+        print('=== memory probe failed:', line[:200].strip())
+        continue
+    load, call = d['hal_after_load_mib'], d.get('hal_after_call_mib', {})
+    print(f\"=== memory {d['artifact']} {d['submodule']}: device live {load.get('device_live')} MiB, \"
+          f\"peak after a call {call.get('device_peak')} MiB, call {d.get('call_s')} s\")
+" "$OUT/memory.jsonl" || true
 
 bench=${BENCH:-${names[1]:-${names[0]}}}
 if [ "$bench" != none ]; then
