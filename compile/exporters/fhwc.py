@@ -29,7 +29,7 @@ DERIVED_TAG = "fhwc"  # the derived archive: <scope>.fhwc.irpa
 def conv_on_fhwc_filter(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     """conv's forward on its channels-last filter (a 1x1 stride-1 one as a weight-first
     einsum)."""
-    from .conv_matmul import conv1x1_as_einsum
+    from .conv_matmul import conv1x1_as_einsum  # here: conv_matmul imports this module
 
     w = getattr(conv, FHWC_PARAM, None)
     if w is None:
