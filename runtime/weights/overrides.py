@@ -6,10 +6,10 @@ Session's context loads from: a scope without replacements is the archive as com
 with some is an index whose untouched entries still point into the archive's memory map (no
 copy) and whose replaced ones point at the new arrays. What compile derived from the weights is
 derived again from the replaced ones: Winograd-transformed 3x3 weights (cpu) and channels-last
-filters (cuda's UNet) in numpy (derived.py), and a
-target's encoded (pre-packed) weights by running the parameter encoder the artifact keeps, once
-per set of weights: cached under the user cache when the set has a digest (a weights file, a
-VAE), else written to a temp file that is unlinked as soon as it is mapped (LoRA merges).
+filters (cuda's UNet) in numpy (derived.py), and a target's encoded (pre-packed) weights by
+running the parameter encoder the artifact keeps, once per set of weights: cached under the user
+cache when the set has a digest (a weights file, a VAE), else written to a temp file that is
+unlinked as soon as it is mapped (LoRA merges).
 """
 
 from __future__ import annotations
