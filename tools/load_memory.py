@@ -49,21 +49,32 @@ def hal_mib(device) -> dict[str, float]:
     }
 
 
+def add_entries(index, path: Path, keep: list, wanted=lambda key: True) -> None:
+    """Add to index the entries of the archive at path (ordinary or paged) that wanted(key)
+    accepts, each over its mapped bytes (kept alive in keep)."""
+    from sdiree.runtime.weights.pages import entry_views, splat_entries
+
+    for key, pattern, length in splat_entries(path):
+        if wanted(key):
+            index.add_splat(key, np.frombuffer(pattern, np.uint8).copy(), length)
+    for key, view in entry_views(path).items():
+        if wanted(key):
+            keep.append(view)
+            index.add_buffer(key, view)
+
+
 def unpaged(path: Path, work: Path) -> Path:
     """path itself when it is an ordinary archive, else an ordinary copy of its entries."""
     import iree.runtime as rt
 
-    from sdiree.runtime.weights.pages import entry_views, paged_layout, splat_entries
+    from sdiree.runtime.weights.pages import paged_layout
 
     probe = rt.ParameterIndex()
     probe.load(str(path))
     if paged_layout(probe) is None:
         return path
-    index = rt.ParameterIndex()
-    for key, pattern, length in splat_entries(path):
-        index.add_splat(key, np.frombuffer(pattern, np.uint8).copy(), length)
-    for key, view in entry_views(path).items():
-        index.add_buffer(key, view)
+    index, views = rt.ParameterIndex(), []
+    add_entries(index, path, views)
     out = work / path.name
     index.create_archive_file(str(out))
     return out
@@ -88,18 +99,7 @@ def providers(mode: str, archives: list[tuple[str, Path]], vmfb: Path, work: Pat
             keep.append(os.open(path, os.O_RDONLY))
             index.load_from_file_handle(rt.FileHandle.wrap_fd(keep[-1]), "irpa")
         elif mode == "named":
-            probe = rt.ParameterIndex()
-            probe.load(str(path))
-            for key, e in probe.items():
-                if key.encode() not in named:
-                    continue
-                if e.is_splat:
-                    pattern = np.frombuffer(bytes(e.splat_pattern), np.uint8).copy()
-                    index.add_splat(key, pattern, e.length)
-                else:
-                    off, n = int(e.file_storage[1]), int(e.length)
-                    keep.append(np.memmap(path, np.uint8, mode="r", offset=off, shape=(n,)))
-                    index.add_buffer(key, keep[-1])
+            add_entries(index, path, keep, lambda key: key.encode() in named)
         else:
             raise SystemExit(f"unknown --params {mode}")
     return [index.create_provider(scope=scope) for scope, index in indices.items()]

@@ -89,8 +89,6 @@ def test_cuda_compiles_convs_channels_last_on_one_copy_of_each_filter(compiled):
       share them (hoisted, each function loaded its own transposed copy: +1 GB at SD 1.5 size);
     - the VAE decoder has one function: its hoisted transposes are precomputed by the encoder.
     Neither module names an original filter of a conv larger than 1x1."""
-    import numpy as np
-
     from sdiree.runtime.weights.archive import Archive
 
     m = load_manifest(compiled.get("cuda", "sm_80", "fp16"))
