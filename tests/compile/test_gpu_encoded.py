@@ -36,6 +36,8 @@ GPU_BUILDS = (
     ("rocm", "gfx942", "fp16"),
     ("cuda", "sm_80", "fp16"),
 )
+# fp16 VAE modules that compile their convs channels-last from hoisted (encoded) filter transposes
+NHWC_VAES = {("cuda", "vae_decoder"), ("rocm", "vae_decoder"), ("rocm", "vae_encoder")}
 
 
 @pytest.mark.parametrize("target,arch,dtype", GPU_BUILDS)
@@ -51,8 +53,8 @@ def test_gpu_modules_make_no_copies_of_their_weights_at_load(compiled, target, a
     assert "text_encoder" in encoded and "unet" not in encoded
     for name in encoded - {"text_encoder"}:
         assert name in ("vae_decoder", "vae_encoder"), name
-        if (target, dtype, name) == ("cuda", "fp16", "vae_decoder"):
-            continue  # its NHWC filters: test_cuda_vae_decoder_loads_nhwc_filters_instead
+        if dtype == "fp16" and (target, name) in NHWC_VAES:
+            continue  # its NHWC filters: test_convs_channels_last_on_one_copy_of_each_filter
         sub = m.submodules[name]
         copies = m.path(sub.extra_parameters[0][0]).stat().st_size
         assert copies < 0.05 * m.path(sub.parameters).stat().st_size, name
@@ -72,27 +74,34 @@ def _names(vmfb: bytes, key: str) -> bool:
 
 
 def _filters(m, sub) -> dict:
-    """{key: entry} of the 4-D weights in submodule sub's own archive (the VAE's: its decoder's)."""
+    """{key: entry} of the 4-D weights in submodule sub's own archive (the VAE's is shared: the
+    encoder's are `encoder.` and `quant_conv.`, the decoder's the rest)."""
     from sdiree.runtime.weights.archive import Archive
 
     entries = Archive(m.path(m.submodules[sub].parameters)).entries
+    encoder = sub == "vae_encoder"
     return {k: e for k, e in entries.items() if e.shape and len(e.shape) == 4
-            and not k.startswith("encoder.")}  # fmt: skip
+            and k.startswith(("encoder.", "quant_conv.")) == encoder}  # fmt: skip
 
 
-def test_cuda_compiles_convs_channels_last_on_one_copy_of_each_filter(compiled):
-    """cuda fp16 compiles the UNet's and the VAE decoder's convolutions channels-last (iree's
-    transpose-convolution pipeline: on an H200 the UNet call x0.82, the decode x0.73). The
-    device holds one copy of each filter, channels-last, and none of the originals:
+@pytest.mark.parametrize("target,arch", [("cuda", "sm_80"), ("rocm", "gfx942")])
+def test_convs_channels_last_on_one_copy_of_each_filter(compiled, target, arch):
+    """cuda and rocm fp16 compile the UNet's and the VAE decoder's convolutions channels-last
+    (iree's transpose-convolution pipeline: on an H200 the UNet call x0.82, the decode x0.73;
+    AMD's own SDXL builds take it too). The device holds one copy of each filter,
+    channels-last, and none of the originals:
     - the UNet's filters are exported channels-last (`pointwise_einsum_fhwc`: an archive of
       them beside the model's, loaded in its scope), so nothing is hoisted and its two functions
       share them (hoisted, each function loaded its own transposed copy: +1 GB at SD 1.5 size);
-    - the VAE decoder has one function: its hoisted transposes are precomputed by the encoder.
-    Neither module names an original filter of a conv larger than 1x1."""
+    - the VAE decoder has one function: its hoisted transposes are precomputed by the encoder
+      (rocm's VAE encoder too: its 512-to-8-channel conv_out overflows gfx942's shared memory
+      as an NCHW implicit GEMM).
+    No module names an original filter of a conv larger than 1x1."""
     from sdiree.runtime.weights.archive import Archive
 
-    m = load_manifest(compiled.get("cuda", "sm_80", "fp16"))
-    for sub in ("unet", "vae_decoder"):
+    m = load_manifest(compiled.get(target, arch, "fp16"))
+    vaes = [sub for sub in ("vae_decoder", "vae_encoder") if (target, sub) in NHWC_VAES]
+    for sub in ("unet", *vaes):
         assert any("transpose-convolution" in f for f in m.data["submodules"][sub]["flags"]), sub
 
     unet = m.submodules["unet"]
@@ -112,15 +121,16 @@ def test_cuda_compiles_convs_channels_last_on_one_copy_of_each_filter(compiled):
         want = np.ascontiguousarray(own.array(k).transpose(0, 2, 3, 1))
         np.testing.assert_array_equal(fhwc.array(k + "_fhwc"), want)
 
-    vae = m.submodules["vae_decoder"]
-    named = m.path(vae.vmfb).read_bytes()
-    filters = _filters(m, "vae_decoder")
-    three = {k for k, e in filters.items() if e.shape[2:] == (3, 3)}
-    assert three and not any(_names(named, k) for k in three)
-    assert all(_names(named, k) for k, e in filters.items() if e.shape[2:] == (1, 1))
-    size = sum(filters[k].length for k in three)
-    copies = m.path(vae.extra_parameters[0][0]).stat().st_size
-    assert size <= copies < 1.2 * size + 65536
+    for sub in vaes:
+        vae = m.submodules[sub]
+        named = m.path(vae.vmfb).read_bytes()
+        filters = _filters(m, sub)
+        three = {k for k, e in filters.items() if e.shape[2:] == (3, 3)}
+        assert three and not any(_names(named, k) for k in three), sub
+        assert all(_names(named, k) for k, e in filters.items() if e.shape[2:] == (1, 1)), sub
+        size = sum(filters[k].length for k in three)
+        copies = m.path(vae.extra_parameters[0][0]).stat().st_size
+        assert size <= copies < 1.2 * size + 65536, sub
 
 
 def test_vulkan_text_encoder_loads_the_encoded_weights(compiled):
