@@ -24,6 +24,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from tuning_spec_text import APPLY_OP_CONFIG, entrypoint
+
 SPEC = (
     Path(__file__).resolve().parent.parent / "specs" / "tuning" / "vulkan_coopmatrix_fallback.mlir"
 )
@@ -137,13 +139,7 @@ def render() -> str:
         "module @sdiree_vulkan_coopmatrix_fallback attributes {transform.with_named_sequence,",
         "    iree_codegen.tuning_spec_with_default_entrypoint} {",
         "",
-        "transform.named_sequence @apply_op_config(%op: !transform.any_op {transform.readonly},",
-        "    %config: !transform.any_param {transform.readonly}) {",
-        '  transform.annotate %op "compilation_info" = %config : !transform.any_op, !transform.any_param',
-        '  transform.annotate %op "__tuning_spec_applied__" : !transform.any_op',
-        "  transform.yield",
-        "}",
-        "",
+        *APPLY_OP_CONFIG,
     ]
     pairs = []
     for cname, (maps, roles, where) in CLASSES.items():
@@ -159,18 +155,7 @@ def render() -> str:
                 "",
             ]
             pairs.append((name, "apply_op_config"))
-    out += [
-        "transform.named_sequence @__kernel_config(%variant_op: !transform.any_op {transform.consumed})",
-        "    -> !transform.any_op attributes {iree_codegen.tuning_spec_entrypoint} {",
-        "  %res = transform.foreach_match in %variant_op",
-        ",\n".join(f"    @{m} -> @{a}" for m, a in pairs),
-        "    : (!transform.any_op) -> !transform.any_op",
-        "  transform.yield %res : !transform.any_op",
-        "}",
-        "",
-        "}",
-        "",
-    ]
+    out += entrypoint(pairs)
     return "\n".join(out)
 
 
