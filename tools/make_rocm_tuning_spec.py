@@ -26,7 +26,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tuning_spec_text import APPLY_OP_CONFIG, entrypoint
+from tuning_spec_text import APPLY_OP_CONFIG, entrypoint, yield_config
 
 TUNING = Path(__file__).resolve().parent.parent / "specs" / "tuning"
 
@@ -128,11 +128,7 @@ def render(stem: str) -> str:
             out += [
                 f"  transform.iree.match.dim_is_multiple_of %out[{oc}], {N_TILE} : !transform.any_value",
                 f"  transform.iree.match.dim_is_multiple_of %out[{oh}], {rows} : !transform.any_value",
-                f"  %config = transform.param.constant {config}",
-                "    -> !transform.any_param",
-                "  transform.yield %op, %config : !transform.any_op, !transform.any_param",
-                "}",
-                "",
+                *yield_config(config),
             ]
             pairs.append((name, "apply_op_config"))
     out += entrypoint(pairs)

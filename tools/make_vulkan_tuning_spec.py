@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tuning_spec_text import APPLY_OP_CONFIG, entrypoint
+from tuning_spec_text import APPLY_OP_CONFIG, entrypoint, yield_config
 
 SPEC = (
     Path(__file__).resolve().parent.parent / "specs" / "tuning" / "vulkan_coopmatrix_fallback.mlir"
@@ -147,13 +147,7 @@ def render() -> str:
             name = f"match_{cname}_{tile}"
             checks = [(*where["m"], tile), (*where["n"], tile), (*where["k"], ktile)]
             out += _match_head(name, maps, checks)
-            out += [
-                f"  %config = transform.param.constant {_config(roles, tile, ktile, threads)}",
-                "    -> !transform.any_param",
-                "  transform.yield %op, %config : !transform.any_op, !transform.any_param",
-                "}",
-                "",
-            ]
+            out += yield_config(_config(roles, tile, ktile, threads))
             pairs.append((name, "apply_op_config"))
     out += entrypoint(pairs)
     return "\n".join(out)

@@ -16,6 +16,17 @@ APPLY_OP_CONFIG = [
 ]
 
 
+def yield_config(config: str) -> list[str]:
+    """A matcher's last lines: the configuration it gives the matched op, and its end."""
+    return [
+        f"  %config = transform.param.constant {config}",
+        "    -> !transform.any_param",
+        "  transform.yield %op, %config : !transform.any_op, !transform.any_param",
+        "}",
+        "",
+    ]
+
+
 def entrypoint(pairs: list[tuple[str, str]]) -> list[str]:
     """The `__kernel_config` entry point over (matcher, action) pairs, and the module's end."""
     return [
