@@ -30,6 +30,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
+# The tests share the 2 cores with the background compile: torch's OpenMP workers then spin at
+# their barriers waiting for a core the compile holds (a tiny img2img parity test took 4.7 s
+# with 2 threads, 0.4 s with 1; in a whole run up to 38 s). One thread for the tests' torch and
+# OpenBLAS, and for the processes they start (set before any of them imports torch).
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
