@@ -155,10 +155,12 @@ def pytest_collection_modifyitems(items):
     _artifact_fixtures_wanted = _needing_artifacts_last(items)
 
 
-# The order the background compiles the fixtures' artifacts in (`compiled` queues SDXL's, SD
-# 2.x's and the inpainting model's behind SD 1.x's; the extra sizes come last)
+# The order the background compiles the fixtures' artifacts in (`compiled` queues the others
+# behind SD 1.x's). Longest first: the extra sizes' cpu compile is the suite's longest, and as
+# the last job it ran alone on one core for ~90 s at the end, in a test that had taken it from
+# the queue while it waited for a 10 s one (the queue ends on short jobs now).
 QUEUE_ORDER = (
-    "compiled", "compiled_sdxl", "compiled_sd2", "compiled_inpaint", "compiled_sizes",
+    "compiled", "compiled_sizes", "compiled_sdxl", "compiled_sd2", "compiled_inpaint",
 )  # fmt: skip
 
 
@@ -184,7 +186,7 @@ def _needing_artifacts_last(items) -> set[str]:
 def _compile_from_the_start(compile_cache, request):
     """The background starts on the artifacts at the first test, not at the first test that
     needs one: the tests that need none run beside it. SD 1.x's first (the `compiled` fixture
-    queues the other models' behind its own), the extra sizes last."""
+    queues the extra sizes' and the other models' behind its own)."""
     for fixture in QUEUE_ORDER:
         if fixture in _artifact_fixtures_wanted:
             request.getfixturevalue(fixture)
@@ -217,10 +219,11 @@ class AheadQueue:
             return False
 
     def steal(self):
-        """The next job not started yet, for a process that would otherwise wait: (owner, key,
-        the Future its own get() waits on), or None."""
+        """The last job not started yet, for a process that would otherwise wait: (owner, key,
+        the Future its own get() waits on), or None. The last: the queue runs longest first,
+        and a test that waits for a job about to end should not be held by a long one."""
         with self.lock:
-            return self._pop()
+            return self._pop(-1)
 
     def _next(self):
         with self.lock:
@@ -229,11 +232,12 @@ class AheadQueue:
                 self._thread = None
             return job
 
-    def _pop(self):
-        """(owner, key, its Future) of the first job not started, marked started; the lock held."""
+    def _pop(self, at: int = 0):
+        """(owner, key, its Future) of the job not started at index at, marked started; the
+        lock held."""
         if self.stopped or not self.items:
             return None
-        owner, key = self.items.pop(0)
+        owner, key = self.items.pop(at)
         owner._ahead[key] = Future()
         return owner, key, owner._ahead[key]
 
@@ -385,6 +389,7 @@ def compiled(tiny_model, artifacts_root, request):
     artifacts.compile_ahead([("cpu", "host", "fp32"), *(AHEAD if _ahead_wanted else ())])
     # queued now, behind SD 1.x's, rather than at their first test
     for wanted, fixture in (
+        (_sizes_ahead_wanted, "compiled_sizes"),
         (_sdxl_ahead_wanted, "compiled_sdxl"),
         (_sd2_ahead_wanted, "compiled_sd2"),
         (_inpaint_ahead_wanted, "compiled_inpaint"),
@@ -420,7 +425,8 @@ def compiled_sdxl(tiny_sdxl_model, artifacts_root):
 @pytest.fixture(scope="session")
 def compiled_sizes(tiny_model, artifacts_root):
     """The tiny SD 1.x compiled at SIZES_MAIN and SIZES: queued for the background compile
-    when tests/compile/test_compile_sizes.py is collected (after the others), else on first use."""
+    when tests/compile/test_compile_sizes.py is collected (right behind SD 1.x's), else on first
+    use."""
     artifacts = CompiledArtifacts(
         tiny_model, artifacts_root, size=SIZES_MAIN, sizes=SIZES, submodules=SIZES_SUBMODULES
     )
