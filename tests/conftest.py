@@ -219,11 +219,10 @@ class AheadQueue:
             return False
 
     def steal(self):
-        """The last job not started yet, for a process that would otherwise wait: (owner, key,
-        the Future its own get() waits on), or None. The last: the queue runs longest first,
-        and a test that waits for a job about to end should not be held by a long one."""
+        """The next job not started yet, for a process that would otherwise wait: (owner, key,
+        the Future its own get() waits on), or None."""
         with self.lock:
-            return self._pop(-1)
+            return self._pop()
 
     def _next(self):
         with self.lock:
@@ -232,12 +231,11 @@ class AheadQueue:
                 self._thread = None
             return job
 
-    def _pop(self, at: int = 0):
-        """(owner, key, its Future) of the job not started at index at, marked started; the
-        lock held."""
+    def _pop(self):
+        """(owner, key, its Future) of the first job not started, marked started; the lock held."""
         if self.stopped or not self.items:
             return None
-        owner, key = self.items.pop(at)
+        owner, key = self.items.pop(0)
         owner._ahead[key] = Future()
         return owner, key, owner._ahead[key]
 
