@@ -385,14 +385,15 @@ def compiled(tiny_model, artifacts_root, request):
     artifacts = CompiledArtifacts(tiny_model, artifacts_root)
     # cpu fp32 first: most tests need it, and the tests that need no artifact run meanwhile
     artifacts.compile_ahead([("cpu", "host", "fp32"), *(AHEAD if _ahead_wanted else ())])
-    # queued now, behind SD 1.x's, rather than at their first test
-    for wanted, fixture in (
-        (_sizes_ahead_wanted, "compiled_sizes"),
-        (_sdxl_ahead_wanted, "compiled_sdxl"),
-        (_sd2_ahead_wanted, "compiled_sd2"),
-        (_inpaint_ahead_wanted, "compiled_inpaint"),
-    ):
-        if wanted:
+    # queued now, behind SD 1.x's in QUEUE_ORDER's order, rather than at their first test
+    wanted = {
+        "compiled_sizes": _sizes_ahead_wanted,
+        "compiled_sdxl": _sdxl_ahead_wanted,
+        "compiled_sd2": _sd2_ahead_wanted,
+        "compiled_inpaint": _inpaint_ahead_wanted,
+    }
+    for fixture in QUEUE_ORDER[1:]:
+        if wanted[fixture]:
             request.getfixturevalue(fixture)
     yield artifacts
     artifacts.stop_ahead()
