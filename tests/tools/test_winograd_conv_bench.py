@@ -1,0 +1,39 @@
+"""tools/winograd_conv_bench.py times one conv's Winograd forms, each checked against torch."""
+
+from __future__ import annotations
+
+import pytest
+import winograd_conv_bench  # tools/ is on sys.path: tests/conftest.py
+
+
+def test_every_form_matches_torch_and_is_timed(capsys):
+    variants = "2:batched:0,2:interleaved:4,4:batched:4,4:batched:0"
+    rows = winograd_conv_bench.main(["8", "8", "1", variants, "--runs", "2", "--warmup", "1"])
+    assert [r["variant"] for r in rows] == variants.split(",")
+    for row in rows:
+        # F(4x4)'s transforms round more than F(2x2)'s; both far below a wrong conv's ~1
+        assert row["rel_err"] < (1e-4 if row["variant"].startswith("4") else 1e-5)
+        assert row["ms"] > 0 and row["ratio"] > 0
+    assert rows[0]["ratio"] == 1.0
+    assert capsys.readouterr().out.count("8 ch 8² batch 1") == 4
+
+
+def test_a_wrong_conv_would_show_in_its_error(monkeypatch):
+    """The error is the compiled conv's against torch's: a compiled conv off by its bias fails."""
+    real = winograd_conv_bench.build
+
+    def off(*args):
+        vmfb, x, ref = real(*args)
+        return vmfb, x, ref + 1.0
+
+    monkeypatch.setattr(winograd_conv_bench, "build", off)
+    (row,) = winograd_conv_bench.main(["8", "8", "1", "2:batched:0", "--runs", "1"])
+    assert row["rel_err"] > 0.1
+
+
+@pytest.mark.parametrize("bad", ["3:batched:0", "2:sideways:0", "4:interleaved:4", "2:batched"])
+def test_unknown_forms_are_refused_before_any_compile(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        winograd_conv_bench.main(["8", "8", "1", f"2:batched:0,{bad}", "--runs", "1"])
+    assert e.value.code == 2
+    assert f"variant '{bad}' is not m:inverse:split" in capsys.readouterr().err

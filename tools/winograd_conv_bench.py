@@ -1,0 +1,116 @@
+"""Time one 3x3 convolution exported as each of sdiree's Winograd forms, on this CPU.
+
+The cpu preset's conv choices (F(2x2) or F(4x4) per input side, one batched matmul or one
+matmul per tile element from `winograd_split_min_side`) were measured per CPU kind one conv
+at a time: this is that measurement. For one conv (channels in = out, square input side,
+batch), each variant is exported with iree-turbine, compiled with the cpu target's UNet flags
+for this machine's CPU (`--iree-llvmcpu-target-cpu=host`), loaded in this process, checked
+against torch's conv2d (relative max error) and timed round by round, A B C A B C ..., so
+drift hits every variant alike. Prints each variant's median, its ratio to the first's and
+its error. Needs the compile extra.
+
+    python tools/winograd_conv_bench.py CHANNELS SIDE BATCH VARIANT[,VARIANT...] [--runs 7]
+
+A variant is `m:inverse:split`: m the output tile (2 or 4), inverse `batched` or
+`interleaved` (F(2x2) only), split the least input side that splits the conv into one matmul
+per tile element (0: never). The shipped UNet at 64x64 latents, e.g.:
+
+    python tools/winograd_conv_bench.py 320 64 2 4:batched:16,2:interleaved:16,4:batched:0
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+import types
+
+import numpy as np
+
+# The cpu target's flags (specs/targets.json) with the UNet's submodule flags, for this CPU.
+FLAGS = [
+    "--iree-hal-target-device=local",
+    "--iree-hal-local-target-device-backends=llvm-cpu",
+    "--iree-opt-const-expr-max-size-increase-threshold=100000000000",
+    "--iree-opt-data-tiling",
+    "--iree-llvmcpu-enable-ukernels=all",
+    "--iree-llvmcpu-target-cpu=host",
+    "--iree-llvmcpu-matmul-tile-bytes=1048576",
+    "--iree-llvmcpu-reassociate-fp-reductions=true",
+]
+
+
+def build(channels: int, side: int, batch: int, m: int, inverse: str, split: int | None):
+    """The conv as this variant, compiled: (vmfb bytes, input, torch's output)."""
+    import iree.compiler as ic
+    import iree.turbine.aot as aot
+    import torch
+
+    from sdiree.compile.exporters.winograd import conv2d_winograd, winograd_weight
+    from sdiree.runtime.weights.winograd import WINOGRAD_PARAM
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+    u = winograd_weight(conv.weight.detach().double(), m).float()
+    conv.register_parameter(WINOGRAD_PARAM, torch.nn.Parameter(u, requires_grad=False))
+    lowering = functools.partial(conv2d_winograd, m=m, output=inverse, split_min_side=split)
+    conv.forward = types.MethodType(lowering, conv)
+    x = torch.randn(batch, channels, side, side)
+    with torch.no_grad():
+        ref = torch.nn.functional.conv2d(x, conv.weight, conv.bias, padding=1)
+    mlir = aot.export(conv.eval(), args=(x,)).mlir_module.operation.get_asm()
+    return ic.compile_str(mlir, extra_args=FLAGS), x.numpy(), ref.numpy()
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("channels", type=int)
+    p.add_argument("side", type=int)
+    p.add_argument("batch", type=int)
+    p.add_argument("variants", help="m:inverse:split[,...], e.g. 4:batched:16,2:interleaved:16")
+    p.add_argument("--runs", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    a = p.parse_args(argv)
+
+    import iree.runtime as rt
+
+    from sdiree.compile.exporters.winograd import WINOGRAD_OUTPUTS, WINOGRAD_TILES
+
+    forms = []
+    for text in a.variants.split(","):
+        parts = text.split(":")
+        ok = len(parts) == 3 and parts[0] in ("2", "4") and parts[1] in WINOGRAD_OUTPUTS
+        if not ok or not parts[2].isdigit() or (parts[1] == "interleaved" and parts[0] != "2"):
+            tiles = "/".join(str(m) for m in WINOGRAD_TILES.values())
+            p.error(
+                f"variant {text!r} is not m:inverse:split (m {tiles}; inverse "
+                f"{' or '.join(WINOGRAD_OUTPUTS)}, interleaved for m 2 only; split >= 0)"
+            )
+        forms.append((text, *parts))
+    calls = []
+    for text, m, inverse, split in forms:
+        vmfb, x, ref = build(a.channels, a.side, a.batch, int(m), inverse, int(split) or None)
+        ctx = rt.SystemContext(config=rt.Config("local-task"))
+        ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, vmfb))
+        fn = ctx.modules.module["main"]
+        err = float(np.abs(np.asarray(fn(x)) - ref).max() / np.abs(ref).max())
+        calls.append((text, fn, x, err))
+    times: dict[str, list[float]] = {c[0]: [] for c in calls}
+    for i in range(a.warmup + a.runs):
+        for name, fn, x, _ in calls:
+            t = time.perf_counter()
+            fn(x)
+            if i >= a.warmup:
+                times[name].append(time.perf_counter() - t)
+    rows, first = [], None
+    for name, _, _, err in calls:
+        med = float(np.median(times[name])) * 1e3
+        first = first or med
+        rows.append({"variant": name, "ms": med, "ratio": med / first, "rel_err": err})
+        shape = f"{a.channels} ch {a.side}² batch {a.batch}"
+        print(f"{shape}  {name:18s} {med:9.2f} ms  x{med / first:.3f}  rel err {err:.1e}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
