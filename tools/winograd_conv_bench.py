@@ -3,8 +3,8 @@
 The cpu preset's conv choices (F(2x2) or F(4x4) per input side, one batched matmul or one
 matmul per tile element from `winograd_split_min_side`) were measured per CPU kind one conv
 at a time: this is that measurement. For one conv (channels in = out, square input side,
-batch), each variant is exported with iree-turbine, compiled with the cpu target's UNet flags
-for this machine's CPU (`--iree-llvmcpu-target-cpu=host`), loaded in this process, checked
+batch), each variant is exported with iree-turbine, compiled with the shipped cpu target's fp32 UNet
+flags for this machine's CPU (the registry's, `host` arch), loaded in this process, checked
 against torch's conv2d (relative max error) and timed round by round, A B C A B C ..., so
 drift hits every variant alike. Prints each variant's median, its ratio to the first's and
 its error. Needs the compile extra.
@@ -27,17 +27,13 @@ import types
 
 import numpy as np
 
-# The cpu target's flags (specs/targets.json) with the UNet's submodule flags, for this CPU.
-FLAGS = [
-    "--iree-hal-target-device=local",
-    "--iree-hal-local-target-device-backends=llvm-cpu",
-    "--iree-opt-const-expr-max-size-increase-threshold=100000000000",
-    "--iree-opt-data-tiling",
-    "--iree-llvmcpu-enable-ukernels=all",
-    "--iree-llvmcpu-target-cpu=host",
-    "--iree-llvmcpu-matmul-tile-bytes=1048576",
-    "--iree-llvmcpu-reassociate-fp-reductions=true",
-]
+
+def unet_flags() -> list[str]:
+    """iree-compile's flags for the UNet of a cpu fp32 compile for this machine's CPU (the
+    shipped registry's, as `sdiree compile --target cpu` gives them)."""
+    from sdiree.runtime.targets import load_registry
+
+    return load_registry().target("cpu").compile_flags("host", "fp32", "unet")
 
 
 def build(channels: int, side: int, batch: int, m: int, inverse: str, split: int | None):
@@ -59,7 +55,7 @@ def build(channels: int, side: int, batch: int, m: int, inverse: str, split: int
     with torch.no_grad():
         ref = torch.nn.functional.conv2d(x, conv.weight, conv.bias, padding=1)
     mlir = aot.export(conv.eval(), args=(x,)).mlir_module.operation.get_asm()
-    return ic.compile_str(mlir, extra_args=FLAGS), x.numpy(), ref.numpy()
+    return ic.compile_str(mlir, extra_args=unet_flags()), x.numpy(), ref.numpy()
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -76,17 +72,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from sdiree.compile.exporters.winograd import WINOGRAD_OUTPUTS, WINOGRAD_TILES
 
+    tiles = {str(m) for m in WINOGRAD_TILES.values()}
     forms = []
     for text in a.variants.split(","):
         parts = text.split(":")
-        ok = len(parts) == 3 and parts[0] in ("2", "4") and parts[1] in WINOGRAD_OUTPUTS
-        if not ok or not parts[2].isdigit() or (parts[1] == "interleaved" and parts[0] != "2"):
-            tiles = "/".join(str(m) for m in WINOGRAD_TILES.values())
+        m, inverse, split = parts if len(parts) == 3 else ("", "", "")
+        if (
+            m not in tiles
+            or inverse not in WINOGRAD_OUTPUTS
+            or not split.isdigit()
+            or (inverse == "interleaved" and m != "2")
+        ):
             p.error(
-                f"variant {text!r} is not m:inverse:split (m {tiles}; inverse "
+                f"variant {text!r} is not m:inverse:split (m {'/'.join(sorted(tiles))}; inverse "
                 f"{' or '.join(WINOGRAD_OUTPUTS)}, interleaved for m 2 only; split >= 0)"
             )
-        forms.append((text, *parts))
+        forms.append((text, m, inverse, split))
     calls = []
     for text, m, inverse, split in forms:
         vmfb, x, ref = build(a.channels, a.side, a.batch, int(m), inverse, int(split) or None)
