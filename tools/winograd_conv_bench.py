@@ -13,7 +13,9 @@ its error. Needs the compile extra.
 
 A variant is `m:inverse:split`: m the output tile (2 or 4), inverse `batched` or
 `interleaved` (F(2x2) only), split the least input side that splits the conv into one matmul
-per tile element (0: never). The shipped UNet at 64x64 latents, e.g.:
+per tile element (0: never). `plain` is the conv as one im2col matmul, as the UNet's export
+choice `plain_from_downscale` lowers its smallest convs (no transformed weights to hold). The
+shipped UNet at 64x64 latents, e.g.:
 
     python tools/winograd_conv_bench.py 320 64 2 4:batched:16,2:interleaved:16,4:batched:0
 """
@@ -37,19 +39,23 @@ def unet_flags() -> list[str]:
 
 
 def build(channels: int, side: int, batch: int, m: int, inverse: str, split: int | None):
-    """The conv as this variant, compiled: (vmfb bytes, input, torch's output)."""
+    """The conv as this variant (m 0: plain), compiled: (vmfb bytes, input, torch's output)."""
     import iree.compiler as ic
     import iree.turbine.aot as aot
     import torch
 
+    from sdiree.compile.exporters.im2col import conv2d_as_matmul
     from sdiree.compile.exporters.winograd import conv2d_winograd, winograd_weight
     from sdiree.runtime.weights.winograd import WINOGRAD_PARAM
 
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
-    u = winograd_weight(conv.weight.detach().double(), m).float()
-    conv.register_parameter(WINOGRAD_PARAM, torch.nn.Parameter(u, requires_grad=False))
-    lowering = functools.partial(conv2d_winograd, m=m, output=inverse, split_min_side=split)
+    if m:
+        u = winograd_weight(conv.weight.detach().double(), m).float()
+        conv.register_parameter(WINOGRAD_PARAM, torch.nn.Parameter(u, requires_grad=False))
+        lowering = functools.partial(conv2d_winograd, m=m, output=inverse, split_min_side=split)
+    else:
+        lowering = conv2d_as_matmul
     conv.forward = types.MethodType(lowering, conv)
     x = torch.randn(batch, channels, side, side)
     with torch.no_grad():
@@ -63,7 +69,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("channels", type=int)
     p.add_argument("side", type=int)
     p.add_argument("batch", type=int)
-    p.add_argument("variants", help="m:inverse:split[,...], e.g. 4:batched:16,2:interleaved:16")
+    p.add_argument(
+        "variants", help="m:inverse:split or plain[,...], e.g. 4:batched:16,2:interleaved:16,plain"
+    )
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     a = p.parse_args(argv)
@@ -75,6 +83,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     tiles = {str(m) for m in WINOGRAD_TILES.values()}
     forms = []
     for text in a.variants.split(","):
+        if text == "plain":
+            forms.append((text, "0", "batched", "0"))
+            continue
         parts = text.split(":")
         m, inverse, split = parts if len(parts) == 3 else ("", "", "")
         if (
@@ -84,7 +95,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             or (inverse == "interleaved" and m != "2")
         ):
             p.error(
-                f"variant {text!r} is not m:inverse:split (m {'/'.join(sorted(tiles))}; inverse "
+                f"variant {text!r} is not plain or m:inverse:split (m {'/'.join(sorted(tiles))}; inverse "
                 f"{' or '.join(WINOGRAD_OUTPUTS)}, interleaved for m 2 only; split >= 0)"
             )
         forms.append((text, m, inverse, split))

@@ -7,7 +7,7 @@ import winograd_conv_bench  # tools/ is on sys.path: tests/conftest.py
 
 
 def test_every_form_matches_torch_and_is_timed(capsys):
-    variants = "2:batched:0,2:interleaved:4,4:batched:4,4:batched:0"
+    variants = "2:batched:0,2:interleaved:4,4:batched:4,4:batched:0,plain"
     rows = winograd_conv_bench.main(["8", "8", "1", variants, "--runs", "2", "--warmup", "1"])
     assert [r["variant"] for r in rows] == variants.split(",")
     for row in rows:
@@ -15,7 +15,7 @@ def test_every_form_matches_torch_and_is_timed(capsys):
         assert row["rel_err"] < (1e-4 if row["variant"].startswith("4") else 1e-5)
         assert row["ms"] > 0 and row["ratio"] > 0
     assert rows[0]["ratio"] == 1.0
-    assert capsys.readouterr().out.count("8 ch 8² batch 1") == 4
+    assert capsys.readouterr().out.count("8 ch 8² batch 1") == 5
 
 
 def test_a_wrong_conv_would_show_in_its_error(monkeypatch):
@@ -36,4 +36,4 @@ def test_unknown_forms_are_refused_before_any_compile(bad, capsys):
     with pytest.raises(SystemExit) as e:
         winograd_conv_bench.main(["8", "8", "1", f"2:batched:0,{bad}", "--runs", "1"])
     assert e.value.code == 2
-    assert f"variant '{bad}' is not m:inverse:split" in capsys.readouterr().err
+    assert f"variant '{bad}' is not plain or m:inverse:split" in capsys.readouterr().err
