@@ -380,6 +380,19 @@ def tuning_spec(plan: Plan, submodule: str) -> tuple[str, Path] | None:
     return rel, spec
 
 
+def preprocessing_spec(plan: Plan, submodule: str) -> tuple[str, Path] | None:
+    """(registry-relative path, file) of the preprocessing transform spec a submodule compiles
+    with (`--iree-preprocessing-transform-spec-filename`), if its dtype option names one for
+    a feature the arch's CPU lacks."""
+    rel = plan.target.preprocessing_spec(plan.dtype, plan.arch, submodule)
+    if rel is None:
+        return None
+    spec = plan.registry.spec_path(rel)
+    if not spec.is_file():
+        raise UserError(f"preprocessing spec {spec} named in targets.json does not exist")
+    return rel, spec
+
+
 def embedded_spec(plan: Plan, submodule: str) -> Path | None:
     """The spec to attach to the module itself (compile/tuning_embed.py), where the target takes
     its specs that way."""
@@ -398,4 +411,9 @@ def flags_for(plan: Plan, submodule: str) -> tuple[list[str], dict[str, str]]:
         specs[rel] = sha256_file(spec)
         if t.tuning_spec_via == "flag":
             flags.append(f"--iree-codegen-tuning-spec-path={spec}")
+    pre = preprocessing_spec(plan, submodule)
+    if pre:
+        rel, spec = pre
+        specs[rel] = sha256_file(spec)
+        flags.append(f"--iree-preprocessing-transform-spec-filename={spec}")
     return flags, specs

@@ -63,6 +63,9 @@ class DtypeOption:
     notes_if_cpu_has: dict[str, str] = field(default_factory=dict)
     # {submodule or "*": spec} for this dtype, before the target's (an arch preset's come first)
     tuning_specs: dict[str, str] = field(default_factory=dict)
+    # {cpu feature: {submodule: spec}}: a preprocessing transform spec the submodule compiles
+    # with when the arch's CPU lacks the feature (e.g. cpu fp32 without avx512f)
+    preprocessing_specs_if_cpu_lacks: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,18 @@ class Target:
             return ()
         have = self.arch(arch).features()
         return tuple(n for f, n in opt.notes_if_cpu_has.items() if f in have)
+
+    def preprocessing_spec(self, dtype: str, arch: str, submodule: str) -> str | None:
+        """The registry-relative preprocessing spec a submodule compiles with for arch's CPU: the
+        dtype option's for the first feature that CPU lacks which names one for submodule."""
+        opt = self.dtype_options.get(dtype)
+        if not opt or not opt.preprocessing_specs_if_cpu_lacks:
+            return None
+        have = self.arch(arch).features()
+        for feature, specs in opt.preprocessing_specs_if_cpu_lacks.items():
+            if feature not in have and submodule in specs:
+                return specs[submodule]
+        return None
 
     def dtype_flags(self, dtype: str, arch: str) -> tuple[str, ...]:
         """Flags of a dtype option, with those for features arch's CPU lacks."""
@@ -259,6 +274,7 @@ DTYPE_OPTION_FIELDS = {
     "submodule_export": "obj_map",
     "notes_if_cpu_has": "str_map",
     "tuning_specs": "str_map",
+    "preprocessing_specs_if_cpu_lacks": "str_maps",
 }
 # Export choices (compile/exporters: ATTENTIONS, CONV_CHOICES; runtime stays torch-free, so
 # they are repeated here and a test keeps them equal).
@@ -294,6 +310,7 @@ KIND_NAMES = {
     "obj_map": "an object of objects",
     "str_map": "an object of strings",
     "flag_map": "an object of string lists",
+    "str_maps": "an object of objects of strings",
     "features": '"host" or a list of strings',
 }
 
@@ -312,6 +329,7 @@ def _fits(v, kind: str) -> bool:
         "obj_map": lambda: isinstance(v, dict) and all(isinstance(x, dict) for x in v.values()),
         "str_map": lambda: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
         "flag_map": lambda: isinstance(v, dict) and all(map(_is_strs, v.values())),
+        "str_maps": lambda: isinstance(v, dict) and all(_fits(x, "str_map") for x in v.values()),
         "features": lambda: v == "host" or _is_strs(v),
     }
     return checks[kind]()
@@ -418,6 +436,9 @@ def check_registry(data: dict, path: Path) -> None:
             for sub, choices in opt.get("submodule_export", {}).items():
                 at = f"{wd}.submodule_export.{sub}"
                 c.export(choices, at, sub, nullable=True)
+            for feature, specs in opt.get("preprocessing_specs_if_cpu_lacks", {}).items():
+                at = f"{wd}.preprocessing_specs_if_cpu_lacks.{feature}"
+                c.names(specs, submodules, at, "submodule")
         for a, spec in t["arches"].items():
             wa = f"{w}.arches.{a}"
             c.fields(spec, ARCH_FIELDS, (), wa)
@@ -507,6 +528,9 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
                     submodule_export=dict(o.get("submodule_export", {})),
                     notes_if_cpu_has=dict(o.get("notes_if_cpu_has", {})),
                     tuning_specs=dict(o.get("tuning_specs", {})),
+                    preprocessing_specs_if_cpu_lacks={
+                        f: dict(m) for f, m in o.get("preprocessing_specs_if_cpu_lacks", {}).items()
+                    },
                 )
                 for d, o in t.get("dtype_options", {}).items()
             },

@@ -1,0 +1,208 @@
+"""The cpu target's AVX2 preprocessing spec (specs/tuning/cpu_avx2_winograd_untiled.mlir): the
+registry gives it to fp32 VAE compiles for CPUs without avx512f only; on a small module it
+leaves a split Winograd product out of data tiling with its 6x16 tile and data-tiles every other
+f32 contraction (iree-compile's configuration dump shows both), with the data-tiled build's
+results; and a VAE decoder whose split Winograd convs it takes, compiled for an AVX2 CPU (the
+`x86-64-v3` preset, which runs on any CPU of the suite), matches diffusers (the VAE encoder
+takes the same spec for the same products; at SD 1.5 size both are bit-identical to builds
+without it). The AVX2 speed it
+is for is measured in tools/PERFORMANCE.md (thirty-second session).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from sdiree.runtime.targets import Arch, load_registry
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC_REL = "tuning/cpu_avx2_winograd_untiled.mlir"
+SPEC = ROOT / "specs" / SPEC_REL
+SPEC_FLAG = "--iree-preprocessing-transform-spec-filename="
+SUBMODULES = ("text_encoder", "unet", "vae_decoder", "vae_encoder")
+TILE_6X16 = "vector_common_parallel = [6, 16, 0]"
+
+# One tile element of a Winograd weight times the transformed input (the split form's product)
+# and a linear layer's transposed-weight matmul, as iree-compile sees them after input
+# conversion; both 96x64 @ 64x128.
+MODULE = """
+func.func @main(%x: tensor<96x64xf32>, %w: tensor<4x64x128xf32>, %lin: tensor<128x64xf32>)
+    -> (tensor<96x128xf32>, tensor<96x128xf32>) {
+  %zero = arith.constant 0.0 : f32
+  %e = tensor.empty() : tensor<96x128xf32>
+  %z = linalg.fill ins(%zero : f32) outs(%e : tensor<96x128xf32>) -> tensor<96x128xf32>
+  %s = tensor.extract_slice %w[1, 0, 0] [1, 64, 128] [1, 1, 1]
+      : tensor<4x64x128xf32> to tensor<1x64x128xf32>
+  %u = tensor.collapse_shape %s [[0, 1], [2]] : tensor<1x64x128xf32> into tensor<64x128xf32>
+  %product = linalg.matmul ins(%x, %u : tensor<96x64xf32>, tensor<64x128xf32>)
+      outs(%z : tensor<96x128xf32>) -> tensor<96x128xf32>
+  %te = tensor.empty() : tensor<64x128xf32>
+  %t = linalg.transpose ins(%lin : tensor<128x64xf32>) outs(%te : tensor<64x128xf32>)
+      permutation = [1, 0]
+  %linear = linalg.matmul ins(%x, %t : tensor<96x64xf32>, tensor<64x128xf32>)
+      outs(%z : tensor<96x128xf32>) -> tensor<96x128xf32>
+  return %product, %linear : tensor<96x128xf32>, tensor<96x128xf32>
+}
+"""
+
+
+def _plan(cpu, registry, arch: str, dtype: str):
+    return SimpleNamespace(target=cpu, arch=arch, dtype=dtype, registry=registry)
+
+
+def test_registry_gives_the_spec_to_fp32_vaes_on_cpus_without_avx512():
+    from sdiree.compile.plan import flags_for
+
+    registry = load_registry()
+    cpu = registry.target("cpu")
+    # a preset of a CPU with AVX-512 beside the shipped ones (x86-64-v3 lacks it; host: this CPU)
+    zen5 = Arch(name="zen5", description="", flags=(), cpu_features=("avx2", "avx512f"))
+    cpu = dataclasses.replace(cpu, arches={**cpu.arches, "zen5": zen5})
+    given = set()
+    for arch, preset in cpu.arches.items():
+        lacks = "avx512f" not in preset.features()
+        for dtype in cpu.dtypes:
+            for sub in SUBMODULES:
+                flags, specs = flags_for(_plan(cpu, registry, arch, dtype), sub)
+                want = lacks and dtype == "fp32" and sub.startswith("vae_")
+                assert (SPEC_REL in specs) == want, (arch, dtype, sub)
+                assert (f"{SPEC_FLAG}{SPEC}" in flags) == want, (arch, dtype, sub)
+                if want:
+                    given.add(arch)
+    assert "x86-64-v3" in given and "zen5" not in given
+
+
+def test_registry_refuses_a_spec_for_an_unknown_submodule(tmp_path):
+    from sdiree.runtime.errors import UserError
+
+    specs = tmp_path / "specs"
+    shutil.copytree(ROOT / "specs", specs)
+    data = json.loads((specs / "targets.json").read_text())
+    opt = data["targets"]["cpu"]["dtype_options"]["fp32"]
+    opt["preprocessing_specs_if_cpu_lacks"]["avx512f"]["vae"] = SPEC_REL
+    (specs / "targets.json").write_text(json.dumps(data))
+    with pytest.raises(UserError, match=r"preprocessing_specs_if_cpu_lacks\.avx512f names "
+                       "submodule 'vae'"):  # fmt: skip
+        load_registry(specs)
+
+
+def _compile(src: Path, out: Path, flags: list[str], dump: Path) -> dict[str, str]:
+    """iree-compile src with flags; {dispatch function: its configured source}."""
+    from sdiree.compile.iree_compile import iree_compile_tool
+
+    cmd = [iree_compile_tool(), str(src), "-o", str(out), *flags,
+           f"--iree-hal-dump-executable-configurations-to={dump}"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    configs = {}
+    for f in dump.glob("*.mlir"):
+        text = f.read_text()
+        for name in re.findall(r"func\.func @(\S+?)\(", text):
+            configs[name] = text
+    return configs
+
+
+def test_spec_unties_the_winograd_product_only_and_keeps_results(tmp_path):
+    pytest.importorskip("iree.compiler")
+    import iree.runtime as rt
+
+    from sdiree.compile.plan import flags_for
+
+    registry = load_registry()
+    cpu = registry.target("cpu")
+    src = tmp_path / "m.mlir"
+    src.write_text(MODULE)
+    spec_flags, _ = flags_for(_plan(cpu, registry, "x86-64-v3", "fp32"), "vae_decoder")
+    plain = [f for f in spec_flags if not f.startswith(SPEC_FLAG)]
+    assert len(plain) == len(spec_flags) - 1
+    builds = {}
+    for name, flags in (("plain", plain), ("spec", spec_flags)):
+        vmfb = tmp_path / f"{name}.vmfb"
+        builds[name] = (vmfb, _compile(src, vmfb, flags, tmp_path / f"cfg-{name}"))
+
+    matmuls = {n: t for n, t in builds["spec"][1].items() if "matmul" in n or "mmt4d" in n}
+    untiled = {n for n, t in matmuls.items() if TILE_6X16 in t}
+    assert len(untiled) == 1, sorted(matmuls)
+    assert "mmt4d" not in builds["spec"][1][next(iter(untiled))]
+    # the linear's matmul stays data-tiled, as every matmul of the build without the spec
+    assert any("mmt4d" in t for n, t in matmuls.items() if n not in untiled)
+    assert not any(TILE_6X16 in t for t in builds["plain"][1].values())
+    assert builds["spec"][0].read_bytes() != builds["plain"][0].read_bytes()
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((96, 64)).astype(np.float32)
+    w = rng.standard_normal((4, 64, 128)).astype(np.float32)
+    lin = rng.standard_normal((128, 64)).astype(np.float32)
+    outs = {}
+    for name, (vmfb, _) in builds.items():
+        ctx = rt.SystemContext(config=rt.Config("local-task"))
+        ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, vmfb.read_bytes()))
+        outs[name] = [np.asarray(o) for o in ctx.modules.module.main(x, w, lin)]
+    refs = (x.astype(np.float64) @ w[1], x.astype(np.float64) @ lin.T)
+    for got, want, ref in zip(outs["spec"], outs["plain"], refs, strict=True):
+        scale = np.abs(ref).max()
+        assert np.abs(got - want).max() <= 1e-6 * scale  # the same K-ordered sums
+        assert np.abs(got - ref).max() <= 1e-5 * scale
+
+
+def _wide_vae_model(tiny_model: Path, out: Path) -> Path:
+    """The tiny SD 1.x with a VAE of 64 channels at every level, so that its split Winograd
+    products have the N (a multiple of 64) the spec takes."""
+    import torch
+    from diffusers import AutoencoderKL
+
+    shutil.copytree(tiny_model, out)
+    shutil.rmtree(out / "vae")
+    torch.manual_seed(3)
+    AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(64,) * 4,
+        layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=64,
+    ).save_pretrained(out / "vae")  # fmt: skip
+    return out
+
+
+def test_avx2_vae_decoder_with_the_spec_matches_diffusers(tiny_model, tmp_path):
+    """Compiled for x86-64-v3 with the decoder's 64² convs split (F(2x2)): their products run the 6x16
+    tile (the configuration dump), the manifest names the spec, and the decode matches
+    diffusers within fp32's tolerance."""
+    pytest.importorskip("iree.compiler")
+    from sdiree.compile.driver import CompileOptions, compile_model
+    from sdiree.compile.report import Reporter
+    from sdiree.compile.verify import TOLERANCE, check_parity
+
+    model = _wide_vae_model(tiny_model, tmp_path / "wide-vae")
+    specs = tmp_path / "specs"
+    shutil.copytree(ROOT / "specs", specs)
+    data = json.loads((specs / "targets.json").read_text())
+    cpu = data["targets"]["cpu"]
+    dump = tmp_path / "dump"
+    preset = cpu["arches"]["x86-64-v3"]
+    preset["flags"] = [*preset["flags"], f"--iree-hal-dump-executable-configurations-to={dump}"]
+    # F(2x2): 16 products a split conv, not F(4x4)'s 36 (half the export and compile time);
+    # the spec takes either
+    cpu["submodule_export"]["vae_decoder"].update(conv="winograd", winograd_split_min_side=64)
+    (specs / "targets.json").write_text(json.dumps(data))
+
+    art = tmp_path / "art"
+    opts = CompileOptions(model, "cpu", arch="x86-64-v3", dtype="fp32", out=art,
+                          specs_dir=specs, submodules=("vae_decoder",))  # fmt: skip
+    compile_model(opts, Reporter(stream=io.StringIO()))
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert list(manifest["submodules"]["vae_decoder"]["tuning_specs"]) == [SPEC_REL]
+    texts = [f.read_text() for f in dump.glob("*.mlir")]
+    assert any(TILE_6X16 in t and "mmt4d" not in t for t in texts)
+    assert any("mmt4d" in t for t in texts)  # attention and the 1x1 convs stay data-tiled
+
+    (result,) = check_parity(art, model_dir=model, submodules=["vae_decoder"])
+    assert result.tolerance == TOLERANCE["fp32"] and result.ok, result.line()
