@@ -38,6 +38,7 @@ from sdiree.runtime.weights.archive import Archive
 from sdiree.runtime.weights.layout import BF16_TOLERANCE, Layout, from_bf16, to_bf16
 from sdiree.runtime.weights.pages import release_pages
 from sdiree.runtime.weights.recover import FORMAT_VERSION, Recoverer, sidecar_path
+from sdiree.runtime.weights.winograd import WINOGRAD_PARAM
 
 STATE_KEY = "pruned"  # in the build state: {archive name: {"key", "from", "sha256", "sidecar"}}
 # a Winograd weight read back by the pseudo-inverse: within this share of its largest magnitude
@@ -72,11 +73,20 @@ def _sources(out: Path, results: dict, scope: str, scopes: dict) -> list[dict] |
     return found or None
 
 
-def _prune_key(use: ArchiveUse, results: dict, sources: list[dict]) -> str:
+def _raw_sources(use: ArchiveUse, uses: list[ArchiveUse]) -> list[dict]:
+    """The scope's other original archives, as raw sources: a 3x3 weight whose Winograd
+    transform a module reads unpacked (an untiled product) is read back from there."""
+    return [{"archive": u.local.name} for u in uses if u.scope == use.scope and u is not use]
+
+
+def _prune_key(use: ArchiveUse, results: dict, sources: list[dict], uses=()) -> str:
     """What a pruned archive depends on: the full archive, the modules that load it, and the
-    encoded archives and layouts it is read back from."""
+    encoded archives and layouts (and the raw archives, by their full digests) it is read back
+    from."""
     encoded = {e["encoder"].get("layout"): e for r in results.values() if (e := r.get("encoded"))}
+    digests = {u.local.name: u.digest for u in uses}
     read_from = [
+        [s["archive"], digests[s["archive"]]] if "archive" in s else
         [s["encoded"], encoded[s["layout"]]["sha256"], encoded[s["layout"]]["encoder"]["layout_sha256"]]
         for s in sources
     ]  # fmt: skip
@@ -113,7 +123,8 @@ def prune(out: Path, uses: list[ArchiveUse], results: dict, scopes: dict, driver
         if sources is None:
             _keep_whole(use, done, intact)
             continue
-        key = _prune_key(use, results, sources)
+        sources += _raw_sources(use, uses)
+        key = _prune_key(use, results, sources, uses)
         rec = done.get(use.local.name)
         if rec and rec.get("key") == key and is_pruned(use.local, use.digest, state, intact):
             report.reused("prune", use.local.name)
@@ -153,6 +164,16 @@ def _close(got: np.ndarray, want: np.ndarray, rounded: bool = False) -> bool:
     return bool(np.abs(np.asarray(got, np.float64) - w).max() <= tol * scale)
 
 
+def _named(key: str, named: bytes) -> bool:
+    """Whether key's bytes appear in the vmfbs (an upper bound of what a module names) other
+    than as the start of its Winograd weight's name (`c.weight` in `c.weight_winograd`, which
+    an untiled product reads itself; the 3x3 weight is then read back from that)."""
+    k = key.encode()
+    if not key.endswith("weight"):
+        return k in named
+    return named.count(k) > named.count(k[: -len("weight")] + WINOGRAD_PARAM.encode())
+
+
 def _prune_one(out: Path, use: ArchiveUse, results: dict, sources: list[dict], driver: str,
                report) -> dict | None:  # fmt: skip
     from .param_encoder import loads_with
@@ -162,7 +183,7 @@ def _prune_one(out: Path, use: ArchiveUse, results: dict, sources: list[dict], d
     recoverer = Recoverer(out, sources)
     dropped: dict[str, dict] = {}
     for key, e in full.entries.items():
-        if key.encode() in named or e.splat is not None or e.dtype is None or e.shape is None:
+        if _named(key, named) or e.splat is not None or e.dtype is None or e.shape is None:
             continue
         try:
             got = recoverer.array(key, e.shape, e.dtype)

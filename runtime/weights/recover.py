@@ -9,8 +9,10 @@ sidecar `<archive>.pruned.json` (compile/prune.py). Each listed key is read back
 packed copy described by the encoder's learned layout (weights/layout.py): a packed copy is a
 strided view of the zero-padded weight, so it is unpacked exactly; a 3x3 weight kept only as
 its Winograd transform U = G g G^T is recovered as g = K+ U (K = kron(G, G), K+ its
-pseudo-inverse), within a few float32 ulps. The compile checks every listed key this way
-against the original before it drops it.
+pseudo-inverse), within a few float32 ulps; where a module reads U itself (an untiled matmul,
+specs/tuning/cpu_avx2_winograd_untiled.mlir), from the raw derived archive the artifact keeps
+beside the original (a source `{"archive": file}`). The compile checks every listed key this
+way against the original before it drops it.
 
 A bf16 artifact's encoders pack weights in bf16: such a weight reads back as its bf16
 rounding (`Recoverer.rounded`), the weight its modules compute with. The compile drops it only
@@ -31,7 +33,8 @@ from .pages import entry_views, release_pages
 from .winograd import WINOGRAD, WINOGRAD_PARAM
 
 SIDECAR_SUFFIX = ".pruned.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: sources may be raw archives (`{"archive": file}`) besides packed ones
+READABLE_VERSIONS = (1, 2)
 
 
 def sidecar_path(archive: Path) -> Path:
@@ -69,14 +72,18 @@ class Recoverer:
 
     def __init__(self, root: Path, sources: list[dict]):
         self.root = Path(root)
-        self.sources = sources  # [{"encoded": file, "layout": file}], relative to root
+        # [{"encoded": file, "layout": file} or {"archive": file}], relative to root
+        self.sources = sources
         self._loaded: list[tuple[Layout, dict[str, np.ndarray], dict]] | None = None
+        self._raw: list[dict[str, np.ndarray]] | None = None
         self.rounded: set[str] = set()  # keys read back from bf16 packs: their bf16 rounding
 
     def _load(self) -> list:
         if self._loaded is None:
             self._loaded = []
             for s in self.sources:
+                if "archive" in s:
+                    continue
                 layout = Layout.load(self.root / s["layout"])
                 if layout is None:
                     raise ValueError(f"{self.root / s['layout']}: not a readable layout")
@@ -110,13 +117,26 @@ class Recoverer:
                         return w
         return None
 
+    def _unpacked(self, key: str, dtype: np.dtype) -> np.ndarray | None:
+        """key as a raw archive among the sources holds it (not read back: its own entry)."""
+        if self._raw is None:
+            self._raw = [entry_views(self.root / s["archive"]) for s in self.sources
+                         if "archive" in s]  # fmt: skip
+        for views in self._raw:
+            if key in views:
+                return np.array(views[key].view(dtype))
+        return None
+
     def array(self, key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """The weight key (shape, dtype), read back; KeyError when no layout holds it."""
         w = self._packed(key, dtype)
         if w is not None:
             return w.reshape(shape)
         if key.endswith(".weight") and len(shape) == 4 and shape[2:] == (3, 3):
-            u = self._packed(key[: -len("weight")] + WINOGRAD_PARAM, dtype)
+            name = key[: -len("weight")] + WINOGRAD_PARAM
+            u = self._packed(name, dtype)
+            if u is None:
+                u = self._unpacked(name, dtype)
             if u is not None:
                 if key[: -len("weight")] + WINOGRAD_PARAM in self.rounded:
                     self.rounded.add(key)
@@ -132,7 +152,9 @@ def read_sidecar(archive: Path) -> tuple[dict[str, tuple[tuple[int, ...], str]],
     if not path.is_file():
         return None
     d = json.loads(path.read_text())
-    if d.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: sidecar version {d.get('version')}, expected {FORMAT_VERSION}")
+    if d.get("version") not in READABLE_VERSIONS:
+        raise ValueError(
+            f"{path}: sidecar version {d.get('version')}, expected one of {READABLE_VERSIONS}"
+        )
     keys = {k: (tuple(v["shape"]), v["dtype"]) for k, v in d["keys"].items()}
     return keys, Recoverer(path.parent, d["from"])

@@ -174,8 +174,8 @@ def _wide_vae_model(tiny_model: Path, out: Path) -> Path:
 
 def test_avx2_vae_decoder_with_the_spec_matches_diffusers(tiny_model, tmp_path):
     """Compiled for x86-64-v3 with the decoder's 64² convs split (F(2x2)): their products run the 6x16
-    tile (the configuration dump), the manifest names the spec, and the decode matches
-    diffusers within fp32's tolerance."""
+    tile (the configuration dump), the manifest names the spec, the decode matches diffusers
+    within fp32's tolerance, and the artifact keeps no more original weights than without it."""
     pytest.importorskip("iree.compiler")
     from sdiree.compile.driver import CompileOptions, compile_model
     from sdiree.compile.report import Reporter
@@ -206,3 +206,21 @@ def test_avx2_vae_decoder_with_the_spec_matches_diffusers(tiny_model, tmp_path):
 
     (result,) = check_parity(art, model_dir=model, submodules=["vae_decoder"])
     assert result.tolerance == TOLERANCE["fp32"] and result.ok, result.line()
+
+    # The untiled products read their transformed weights raw (the derived archive's entries),
+    # so their convs' 3x3 weights are dropped from vae.irpa all the same: read back from there
+    from safetensors.numpy import load_file
+
+    from sdiree.runtime.weights.archive import Archive
+
+    (weights,) = (model / "vae").glob("*.safetensors")
+    original = load_file(weights)
+    pruned = Archive(art / "vae.irpa")
+    split = [f"decoder.up_blocks.3.resnets.{r}.conv{c}.weight" for r in (0, 1) for c in (1, 2)]
+    for key in split:
+        assert pruned.entries[key].recovered, key
+        want = original[key]
+        assert np.abs(pruned.array(key) - want).max() <= 1e-5 * np.abs(want).max(), key
+    kept = [k for k, e in pruned.entries.items() if k.startswith("decoder.") and not e.recovered
+            and len(e.shape) == 4 and tuple(e.shape[2:]) == (3, 3)]  # fmt: skip
+    assert not kept  # as without the spec: every 3x3 weight of the decoder is read back
