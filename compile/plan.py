@@ -372,11 +372,16 @@ def tuning_spec(plan: Plan, submodule: str) -> tuple[str, Path] | None:
     opt = t.dtype_options.get(plan.dtype)
     maps = (arch.tuning_specs, opt.tuning_specs if opt else {}, t.tuning_specs)
     rel = next((m[k] for m in maps for k in (submodule, "*") if k in m), None)
+    return _spec_file(plan, rel, "tuning spec")
+
+
+def _spec_file(plan: Plan, rel: str | None, what: str) -> tuple[str, Path] | None:
+    """(rel, its file in the specs directory), which must exist; None for no spec."""
     if rel is None:
         return None
     spec = plan.registry.spec_path(rel)
     if not spec.is_file():
-        raise UserError(f"tuning spec {spec} named in targets.json does not exist")
+        raise UserError(f"{what} {spec} named in targets.json does not exist")
     return rel, spec
 
 
@@ -385,12 +390,7 @@ def preprocessing_spec(plan: Plan, submodule: str) -> tuple[str, Path] | None:
     with (`--iree-preprocessing-transform-spec-filename`), if its dtype option names one for
     a feature the arch's CPU lacks."""
     rel = plan.target.preprocessing_spec(plan.dtype, plan.arch, submodule)
-    if rel is None:
-        return None
-    spec = plan.registry.spec_path(rel)
-    if not spec.is_file():
-        raise UserError(f"preprocessing spec {spec} named in targets.json does not exist")
-    return rel, spec
+    return _spec_file(plan, rel, "preprocessing spec")
 
 
 def embedded_spec(plan: Plan, submodule: str) -> Path | None:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,6 +26,9 @@ import pytest
 from sdiree.runtime.targets import Arch, load_registry
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))
+from test_tuning_specs import configurations  # noqa: E402
+
 SPEC_REL = "tuning/cpu_avx2_winograd_untiled.mlir"
 SPEC = ROOT / "specs" / SPEC_REL
 SPEC_FLAG = "--iree-preprocessing-transform-spec-filename="
@@ -104,12 +107,7 @@ def _compile(src: Path, out: Path, flags: list[str], dump: Path) -> dict[str, st
            f"--iree-hal-dump-executable-configurations-to={dump}"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    configs = {}
-    for f in dump.glob("*.mlir"):
-        text = f.read_text()
-        for name in re.findall(r"func\.func @(\S+?)\(", text):
-            configs[name] = text
-    return configs
+    return configurations(dump)
 
 
 def test_spec_unties_the_winograd_product_only_and_keeps_results(tmp_path):
