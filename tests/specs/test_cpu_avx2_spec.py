@@ -222,3 +222,40 @@ def test_avx2_vae_decoder_with_the_spec_matches_diffusers(tiny_model, tmp_path):
     kept = [k for k, e in pruned.entries.items() if k.startswith("decoder.") and not e.recovered
             and len(e.shape) == 4 and tuple(e.shape[2:]) == (3, 3)]  # fmt: skip
     assert not kept  # as without the spec: every 3x3 weight of the decoder is read back
+
+    # another VAE at run time (`sdiree run --vae`): the raw transformed weights the untiled
+    # products read are derived again from its weights
+    _run_time_vae_matches_torch(art, model, tmp_path / "moved.safetensors")
+
+
+def _run_time_vae_matches_torch(art: Path, model: Path, moved: Path) -> None:
+    import torch
+    from diffusers import AutoencoderKL
+    from safetensors.numpy import load_file, save_file
+    from to_single_file import vae_to_ldm  # tools/, on sys.path via conftest
+
+    from sdiree.compile.exporters.vae import VaeDecodeEntry
+    from sdiree.compile.verify import make_inputs
+    from sdiree.runtime.device_select import choose_device
+    from sdiree.runtime.manifest import load_manifest
+    from sdiree.runtime.session import Session
+    from sdiree.runtime.weights.sources import build_overrides
+
+    (src,) = (model / "vae").glob("*.safetensors")
+    rng = np.random.default_rng(8)
+    sd = {k: v + (rng.standard_normal(v.shape) * 0.2 * (float(v.std()) + 1e-3)).astype(v.dtype)
+          for k, v in load_file(src).items()}  # fmt: skip
+    config = json.loads((model / "vae" / "config.json").read_text())
+    save_file({k: np.ascontiguousarray(v) for k, v in vae_to_ldm(sd, config).items()}, str(moved))
+    manifest = load_manifest(art)
+    info, _ = choose_device(manifest, None)
+    overrides, _, _ = build_overrides(manifest, vae=moved)
+    inputs = make_inputs(manifest, "vae_decoder", "decode", 0)
+    got = Session(manifest, info, ["vae_decoder"], overrides).call("vae_decoder", "decode", *inputs)
+    vae = AutoencoderKL.from_pretrained(model / "vae").eval()
+    vae.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()})
+    with torch.no_grad():
+        want = VaeDecodeEntry(vae, manifest.data["vae_scaling"]["factor"])(
+            *[torch.from_numpy(a) for a in inputs]
+        ).numpy()
+    assert np.abs(got[0] - want).max() <= 1e-4 * np.abs(want).max()
