@@ -422,9 +422,12 @@ class Builder:
     def _compile_inputs(self, submodule: str, mlir: Path) -> dict:
         """What iree-compile's output (the module and its parameter encoder) depends on."""
         flags, specs = flags_for(self.plan, submodule)
+        # a spec's flag names its file under the specs directory: its sha256 (specs) is the
+        # input, not where a --specs copy or the installed package put it
+        where = str(self.plan.registry.specs_dir)
         key = {
             "mlir": sha256_file(mlir),
-            "flags": flags,
+            "flags": [f.replace(where, "<specs>") for f in flags],
             "specs": specs,
             "compiler": self.versions["iree-base-compiler"],
         }
