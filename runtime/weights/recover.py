@@ -138,7 +138,7 @@ class Recoverer:
             if u is None:
                 u = self._unpacked(name, dtype)
             if u is not None:
-                if key[: -len("weight")] + WINOGRAD_PARAM in self.rounded:
+                if name in self.rounded:
                     self.rounded.add(key)
                 taps = u.size // (shape[0] * shape[1])
                 return winograd_inverse(u.reshape(taps, shape[1], shape[0]))
