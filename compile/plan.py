@@ -366,12 +366,15 @@ def _check_writable(out: Path, what: str = "", fix: str = "choose another --out"
 
 def tuning_spec(plan: Plan, submodule: str) -> tuple[str, Path] | None:
     """(registry-relative path, file) of the tuning spec a submodule compiles with, if any: the
-    arch preset's, else the dtype's, else the target's (a submodule's own entry before "*")."""
+    dtype's for a feature the arch's CPU lacks, else the arch preset's, else the dtype's, else
+    the target's (a submodule's own entry before "*")."""
     t = plan.target
     arch = t.arch(plan.arch)
     opt = t.dtype_options.get(plan.dtype)
     maps = (arch.tuning_specs, opt.tuning_specs if opt else {}, t.tuning_specs)
-    rel = next((m[k] for m in maps for k in (submodule, "*") if k in m), None)
+    rel = t.cpu_tuning_spec(plan.dtype, plan.arch, submodule) or next(
+        (m[k] for m in maps for k in (submodule, "*") if k in m), None
+    )
     return _spec_file(plan, rel, "tuning spec")
 
 

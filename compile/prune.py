@@ -35,10 +35,10 @@ from sdiree.runtime.fileutil import (
     temp_path_for,
 )
 from sdiree.runtime.weights.archive import Archive
+from sdiree.runtime.weights.derived import DERIVED_PARAMS
 from sdiree.runtime.weights.layout import BF16_TOLERANCE, Layout, from_bf16, to_bf16
 from sdiree.runtime.weights.pages import release_pages
 from sdiree.runtime.weights.recover import FORMAT_VERSION, Recoverer, sidecar_path
-from sdiree.runtime.weights.winograd import WINOGRAD_PARAM
 
 STATE_KEY = "pruned"  # in the build state: {archive name: {"key", "from", "sha256", "sidecar"}}
 # a Winograd weight read back by the pseudo-inverse: within this share of its largest magnitude
@@ -166,12 +166,14 @@ def _close(got: np.ndarray, want: np.ndarray, rounded: bool = False) -> bool:
 
 def _named(key: str, named: bytes) -> bool:
     """Whether key's bytes appear in the vmfbs (an upper bound of what a module names) other
-    than as the start of its Winograd weight's name (`c.weight` in `c.weight_winograd`, which
-    an untiled product reads itself; the 3x3 weight is then read back from that)."""
+    than as the start of a weight derived from it (`c.weight` in `c.weight_winograd`, which an
+    untiled product reads itself, or in `l.weight_panels`: the weight is then read back from
+    that)."""
     k = key.encode()
     if not key.endswith("weight"):
         return k in named
-    return named.count(k) > named.count(k[: -len("weight")] + WINOGRAD_PARAM.encode())
+    stem = k[: -len("weight")]
+    return named.count(k) > sum(named.count(stem + p.encode()) for p in DERIVED_PARAMS)
 
 
 def _prune_one(out: Path, use: ArchiveUse, results: dict, sources: list[dict], driver: str,

@@ -46,6 +46,19 @@ class Arch:
 
 
 @dataclass(frozen=True)
+class CpuLack:
+    """What a dtype option changes, per submodule, when the arch's CPU lacks a feature."""
+
+    # {submodule: spec}: a preprocessing transform spec
+    # (`--iree-preprocessing-transform-spec-filename`)
+    preprocessing_specs: dict[str, str] = field(default_factory=dict)
+    # {submodule: spec}: a tuning spec, before any other the submodule has
+    tuning_specs: dict[str, str] = field(default_factory=dict)
+    # {submodule: export choices} over every other (a null value drops a choice)
+    submodule_export: dict[str, dict] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class DtypeOption:
     """A dtype computed differently from how it is stored: e.g. cpu bf16 keeps an fp32 model and
     fp32 weights, and compiles its matmuls with bf16 inputs and fp32 accumulation."""
@@ -63,9 +76,9 @@ class DtypeOption:
     notes_if_cpu_has: dict[str, str] = field(default_factory=dict)
     # {submodule or "*": spec} for this dtype, before the target's (an arch preset's come first)
     tuning_specs: dict[str, str] = field(default_factory=dict)
-    # {cpu feature: {submodule: spec}}: a preprocessing transform spec the submodule compiles
-    # with when the arch's CPU lacks the feature (e.g. cpu fp32 without avx512f)
-    preprocessing_specs_if_cpu_lacks: dict[str, dict[str, str]] = field(default_factory=dict)
+    # {cpu feature: CpuLack}: what changes when the arch's CPU lacks the feature (e.g. cpu fp32
+    # without avx512f: AVX2's f32 tiles)
+    if_cpu_lacks: dict[str, CpuLack] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -106,6 +119,9 @@ class Target:
             **(self.arches[arch].export if arch in self.arches else {}),
             **(opt.submodule_export.get(submodule, {}) if opt else {}),
         }
+        if dtype and arch in self.arches:
+            for lack in self.cpu_lacks(dtype, arch):
+                choices.update(lack.submodule_export.get(submodule, {}))
         return {k: v for k, v in choices.items() if v is not None}
 
     def refusals(self, arch: str) -> dict[str, str]:
@@ -154,16 +170,28 @@ class Target:
         have = self.arch(arch).features()
         return tuple(n for f, n in opt.notes_if_cpu_has.items() if f in have)
 
+    def cpu_lacks(self, dtype: str, arch: str) -> tuple[CpuLack, ...]:
+        """The dtype option's changes for the features arch's CPU lacks, in registry order."""
+        opt = self.dtype_options.get(dtype)
+        if not opt or not opt.if_cpu_lacks:
+            return ()
+        have = self.arch(arch).features()
+        return tuple(lack for f, lack in opt.if_cpu_lacks.items() if f not in have)
+
     def preprocessing_spec(self, dtype: str, arch: str, submodule: str) -> str | None:
         """The registry-relative preprocessing spec a submodule compiles with for arch's CPU: the
         dtype option's for the first feature that CPU lacks which names one for submodule."""
-        opt = self.dtype_options.get(dtype)
-        if not opt or not opt.preprocessing_specs_if_cpu_lacks:
-            return None
-        have = self.arch(arch).features()
-        for feature, specs in opt.preprocessing_specs_if_cpu_lacks.items():
-            if feature not in have and submodule in specs:
-                return specs[submodule]
+        for lack in self.cpu_lacks(dtype, arch):
+            if submodule in lack.preprocessing_specs:
+                return lack.preprocessing_specs[submodule]
+        return None
+
+    def cpu_tuning_spec(self, dtype: str, arch: str, submodule: str) -> str | None:
+        """The registry-relative tuning spec a submodule compiles with for arch's CPU, before any
+        other: the dtype option's for the first feature that CPU lacks which names one."""
+        for lack in self.cpu_lacks(dtype, arch):
+            if submodule in lack.tuning_specs:
+                return lack.tuning_specs[submodule]
         return None
 
     def dtype_flags(self, dtype: str, arch: str) -> tuple[str, ...]:
@@ -274,7 +302,12 @@ DTYPE_OPTION_FIELDS = {
     "submodule_export": "obj_map",
     "notes_if_cpu_has": "str_map",
     "tuning_specs": "str_map",
-    "preprocessing_specs_if_cpu_lacks": "str_maps",
+    "if_cpu_lacks": "obj_map",
+}
+CPU_LACK_FIELDS = {
+    "preprocessing_specs": "str_map",
+    "tuning_specs": "str_map",
+    "submodule_export": "obj_map",
 }
 # Export choices (compile/exporters: ATTENTIONS, CONV_CHOICES; runtime stays torch-free, so
 # they are repeated here and a test keeps them equal).
@@ -288,7 +321,7 @@ EXPORT_CHOICES = {
         "pointwise_einsum",
         "pointwise_einsum_fhwc",
     ),
-    "linear": ("native", "flat"),
+    "linear": ("native", "flat", "panels"),
     "transformer": ("native", "channels_first"),  # the UNet's transformer blocks
     "winograd_output": ("batched", "interleaved"),  # a split Winograd conv's inverse transform
     "layout": ("native", "channels_last"),  # the VAE decoder's activations between its convs
@@ -310,7 +343,6 @@ KIND_NAMES = {
     "obj_map": "an object of objects",
     "str_map": "an object of strings",
     "flag_map": "an object of string lists",
-    "str_maps": "an object of objects of strings",
     "features": '"host" or a list of strings',
 }
 
@@ -329,7 +361,6 @@ def _fits(v, kind: str) -> bool:
         "obj_map": lambda: isinstance(v, dict) and all(isinstance(x, dict) for x in v.values()),
         "str_map": lambda: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
         "flag_map": lambda: isinstance(v, dict) and all(map(_is_strs, v.values())),
-        "str_maps": lambda: isinstance(v, dict) and all(_fits(x, "str_map") for x in v.values()),
         "features": lambda: v == "host" or _is_strs(v),
     }
     return checks[kind]()
@@ -436,9 +467,13 @@ def check_registry(data: dict, path: Path) -> None:
             for sub, choices in opt.get("submodule_export", {}).items():
                 at = f"{wd}.submodule_export.{sub}"
                 c.export(choices, at, sub, nullable=True)
-            for feature, specs in opt.get("preprocessing_specs_if_cpu_lacks", {}).items():
-                at = f"{wd}.preprocessing_specs_if_cpu_lacks.{feature}"
-                c.names(specs, submodules, at, "submodule")
+            for feature, lack in opt.get("if_cpu_lacks", {}).items():
+                at = f"{wd}.if_cpu_lacks.{feature}"
+                c.fields(lack, CPU_LACK_FIELDS, (), at)
+                for key in CPU_LACK_FIELDS:
+                    c.names(lack.get(key, {}), submodules, f"{at}.{key}", "submodule")
+                for sub, choices in lack.get("submodule_export", {}).items():
+                    c.export(choices, f"{at}.submodule_export.{sub}", sub, nullable=True)
         for a, spec in t["arches"].items():
             wa = f"{w}.arches.{a}"
             c.fields(spec, ARCH_FIELDS, (), wa)
@@ -528,8 +563,15 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
                     submodule_export=dict(o.get("submodule_export", {})),
                     notes_if_cpu_has=dict(o.get("notes_if_cpu_has", {})),
                     tuning_specs=dict(o.get("tuning_specs", {})),
-                    preprocessing_specs_if_cpu_lacks={
-                        f: dict(m) for f, m in o.get("preprocessing_specs_if_cpu_lacks", {}).items()
+                    if_cpu_lacks={
+                        f: CpuLack(
+                            preprocessing_specs=dict(lack.get("preprocessing_specs", {})),
+                            tuning_specs=dict(lack.get("tuning_specs", {})),
+                            submodule_export={
+                                k: dict(v) for k, v in lack.get("submodule_export", {}).items()
+                            },
+                        )
+                        for f, lack in o.get("if_cpu_lacks", {}).items()
                     },
                 )
                 for d, o in t.get("dtype_options", {}).items()

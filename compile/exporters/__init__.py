@@ -59,8 +59,20 @@ def added_conditioning(plan) -> dict[str, int] | None:
 
 def plan_for(builder, submodule: str):
     """The ExportPlan of one submodule for the builder's compile plan."""
-    from .base import TORCH_DTYPES
     from .linear_flat import set_linear_lowering
+    from .linear_panels import DERIVED_TAG as PANELS_TAG
+
+    model = builder.torch_model(COMPONENTS[submodule])
+    linear = builder.export_options(submodule).get("linear", "native")
+    rebound = set_linear_lowering(model, linear)
+    xplan = _plan_for(builder, submodule, model)
+    if linear == "panels" and rebound:
+        xplan.derived = f"{xplan.derived}+{PANELS_TAG}" if xplan.derived else PANELS_TAG
+    return xplan
+
+
+def _plan_for(builder, submodule: str, model):
+    from .base import TORCH_DTYPES
     from .text_encoder import plan_text_encoder
     from .unet import plan_unet
     from .vae import plan_vae_decoder, plan_vae_encoder
@@ -75,8 +87,6 @@ def plan_for(builder, submodule: str):
         "winograd_split_min_side": options.get("winograd_split_min_side"),
         "attention_block_bytes": options.get("attention_block_bytes"),
     }
-    model = builder.torch_model(COMPONENTS[submodule])
-    set_linear_lowering(model, options.get("linear", "native"))
     encoders = {te["submodule"]: te for te in p.family.text_encoders}
     max_length = p.configs[p.family.text_encoders[0]["submodule"]].get(
         "max_position_embeddings", 77

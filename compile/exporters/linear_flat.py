@@ -10,6 +10,8 @@ allocation larger than AMD's and Intel's Vulkan drivers allow). As one 2-D matmu
 is folded into the contraction, as it already is in the guided `denoise_cfg` (whose graphs are
 unchanged), and no copy is made. GPU targets use it; the cpu target packs its weights at compile
 time anyway (parameter encoding) and keeps its graphs.
+
+The choice `panels` (linear_panels.py) is bound here too.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import types
 import torch
 import torch.nn.functional as F
 
-LINEAR_CHOICES = ("native", "flat")
+from .linear_panels import has_panels, panels_forward
+
+LINEAR_CHOICES = ("native", "flat", "panels")
 
 
 def _flat_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -30,16 +34,20 @@ def _flat_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def set_linear_lowering(model: torch.nn.Module, choice: str) -> int:
-    """Rebind the forward of every nn.Linear in model to the lowering named choice; returns
-    how many."""
+    """Rebind the forward of every nn.Linear in model to the lowering named choice (under
+    `panels`, those with panels; the others keep their own); returns how many were rebound."""
     if choice not in LINEAR_CHOICES:
         raise ValueError(f"unknown linear lowering {choice!r}")
     count = 0
     for m in model.modules():
-        if isinstance(m, torch.nn.Linear):
-            if choice == "flat":
-                m.forward = types.MethodType(_flat_forward, m)
-            else:
-                m.__dict__.pop("forward", None)  # the class's own forward again
-            count += 1
+        if not isinstance(m, torch.nn.Linear):
+            continue
+        m.__dict__.pop("forward", None)  # the class's own forward again
+        if choice == "flat":
+            m.forward = types.MethodType(_flat_forward, m)
+        elif choice == "panels" and has_panels(m):
+            m.forward = types.MethodType(panels_forward(m), m)
+        elif choice != "native":
+            continue
+        count += 1
     return count

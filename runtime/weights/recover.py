@@ -11,8 +11,9 @@ strided view of the zero-padded weight, so it is unpacked exactly; a 3x3 weight 
 its Winograd transform U = G g G^T is recovered as g = K+ U (K = kron(G, G), K+ its
 pseudo-inverse), within a few float32 ulps; where a module reads U itself (an untiled matmul,
 specs/tuning/cpu_avx2_winograd_untiled.mlir), from the raw derived archive the artifact keeps
-beside the original (a source `{"archive": file}`). The compile checks every listed key this
-way against the original before it drops it.
+beside the original (a source `{"archive": file}`); a linear's weight that a module reads as
+panels (`<linear>.weight_panels`, runtime/weights/derived.py) is read back from those, exactly.
+The compile checks every listed key this way against the original before it drops it.
 
 A bf16 artifact's encoders pack weights in bf16: such a weight reads back as its bf16
 rounding (`Recoverer.rounded`), the weight its modules compute with. The compile drops it only
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .derived import PANEL_WIDTH, PANELS_PARAM, unpanel
 from .layout import Layout, Region, from_bf16
 from .pages import entry_views, release_pages
 from .winograd import WINOGRAD, WINOGRAD_PARAM
@@ -142,6 +144,10 @@ class Recoverer:
                     self.rounded.add(key)
                 taps = u.size // (shape[0] * shape[1])
                 return winograd_inverse(u.reshape(taps, shape[1], shape[0]))
+        if key.endswith(".weight") and len(shape) == 2 and shape[0] % PANEL_WIDTH == 0:
+            panels = self._unpacked(key[: -len("weight")] + PANELS_PARAM, dtype)
+            if panels is not None and panels.size == shape[0] * shape[1]:
+                return unpanel(panels.reshape(shape[0] // PANEL_WIDTH, shape[1], PANEL_WIDTH))
         raise KeyError(key)
 
 

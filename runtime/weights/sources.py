@@ -272,7 +272,8 @@ def build_overrides(
     digest_parts: list[str] = []
     if weights is not None:
         te2 = own.keys("text_encoder_2") if "text_encoder_2" in own.archives else None
-        given = read_model_file(weights, manifest, own.keys("text_encoder"), te2)
+        te = own.keys("text_encoder") if "text_encoder" in own.archives else {}  # or partial
+        given = read_model_file(weights, manifest, te, te2)
         for scope, comp in SCOPE_COMPONENTS.items():
             if scope in own.archives:
                 tensors[scope] = match_component(

@@ -92,9 +92,9 @@ def test_registry_refuses_a_spec_for_an_unknown_submodule(tmp_path):
     shutil.copytree(ROOT / "specs", specs)
     data = json.loads((specs / "targets.json").read_text())
     opt = data["targets"]["cpu"]["dtype_options"]["fp32"]
-    opt["preprocessing_specs_if_cpu_lacks"]["avx512f"]["vae"] = SPEC_REL
+    opt["if_cpu_lacks"]["avx512f"]["preprocessing_specs"]["vae"] = SPEC_REL
     (specs / "targets.json").write_text(json.dumps(data))
-    with pytest.raises(UserError, match=r"preprocessing_specs_if_cpu_lacks\.avx512f names "
+    with pytest.raises(UserError, match=r"if_cpu_lacks\.avx512f\.preprocessing_specs names "
                        "submodule 'vae'"):  # fmt: skip
         load_registry(specs)
 
