@@ -21,7 +21,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from .linear_panels import has_panels, panels_forward
+from .linear_panels import has_panels, heads_merged_inputs, panels_forward
 
 LINEAR_CHOICES = ("native", "flat", "panels")
 
@@ -39,13 +39,14 @@ def set_linear_lowering(model: torch.nn.Module, choice: str) -> int:
     if choice not in LINEAR_CHOICES:
         raise ValueError(f"unknown linear lowering {choice!r}")
     count = 0
+    merged_heads = heads_merged_inputs(model)
     for m in model.modules():
         if not isinstance(m, torch.nn.Linear):
             continue
         m.__dict__.pop("forward", None)  # the class's own forward again
         if choice == "flat":
             m.forward = types.MethodType(_flat_forward, m)
-        elif choice == "panels" and has_panels(m):
+        elif choice == "panels" and has_panels(m) and id(m) not in merged_heads:
             m.forward = types.MethodType(panels_forward(m), m)
         elif choice != "native":
             continue

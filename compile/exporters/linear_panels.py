@@ -49,6 +49,20 @@ def has_panels(linear: torch.nn.Linear) -> bool:
     return linear.out_features % PANEL_WIDTH == 0
 
 
+def heads_merged_inputs(model: torch.nn.Module) -> set[int]:
+    """ids of the Linears that take attention's heads merged (an attention's `to_out[0]`),
+    which keep their own forward under `panels`: their input is the attention output
+    transposed and collapsed ([B, H, S, D] -> [B, S, H * D]), and iree propagates that collapse
+    into the panels' broadcast product, splitting K into (H, D) there but not in the sum, so
+    the two stay apart, the product materialized (SD 1.5's UNet call 2x slower; NOTES.md)."""
+    return {
+        id(m.to_out[0])
+        for m in model.modules()
+        if isinstance(getattr(m, "to_out", None), torch.nn.ModuleList)
+        and isinstance(m.to_out[0], torch.nn.Linear)
+    }
+
+
 def add_panels(linear: torch.nn.Linear) -> torch.nn.Parameter:
     """Give linear its weight as panels (a parameter of its own; a placeholder of that shape
     when its weight is one: the archive computes it from the model's files)."""

@@ -115,3 +115,14 @@ def test_panels_compile_to_the_6x16_tile_with_torchs_results(tmp_path):
         assert np.abs(got - want).max() <= 1e-5 * scale, name
     # the spec changes the tile, not the sums: K in order, one FMA each
     assert np.abs(outs["spec"] - outs["plain"]).max() <= 1e-6 * scale
+
+
+def test_attention_output_projection_keeps_its_forward():
+    """`to_out[0]` takes attention's heads merged (a transposed, collapsed tensor): iree would
+    split its K in the panels' product and not in the sum, so it stays a plain Linear."""
+    from diffusers.models.attention_processor import Attention
+
+    attn = Attention(query_dim=32, heads=2, dim_head=16)
+    assert set_linear_lowering(attn, "panels") == 3  # to_q, to_k, to_v
+    assert "forward" not in attn.to_out[0].__dict__
+    assert not hasattr(attn.to_out[0], PANELS_PARAM)
