@@ -63,6 +63,12 @@ def heads_merged_inputs(model: torch.nn.Module) -> set[int]:
     }
 
 
+def _as_panels(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N / 16, K, 16] (runtime/weights/derived.py's panels_weight, in torch)."""
+    n, k = w.shape
+    return w.reshape(n // PANEL_WIDTH, PANEL_WIDTH, k).transpose(1, 2).contiguous()
+
+
 def add_panels(linear: torch.nn.Linear) -> torch.nn.Parameter:
     """Give linear its weight as panels (a parameter of its own; a placeholder of that shape
     when its weight is one: the archive computes it from the model's files)."""
@@ -74,10 +80,7 @@ def add_panels(linear: torch.nn.Linear) -> torch.nn.Parameter:
             panels = mark(torch.nn.Parameter(placeholder(shape, w.dtype), requires_grad=False))
         else:
             with torch.no_grad():
-                panels = torch.nn.Parameter(
-                    w.detach().reshape(shape[0], PANEL_WIDTH, k).transpose(1, 2).contiguous(),
-                    requires_grad=False,
-                )
+                panels = torch.nn.Parameter(_as_panels(w.detach()), requires_grad=False)
         linear.register_parameter(PANELS_PARAM, panels)
     return getattr(linear, PANELS_PARAM)
 
@@ -94,9 +97,7 @@ def derived_weight_maker(name: str, shape: tuple[int, ...], dtype: torch.dtype, 
     weight = name[: -len(PANELS_PARAM)] + "weight"
 
     def make() -> torch.Tensor:
-        w = source.tensor(weight).to(dtype)
-        n, k = w.shape
-        got = w.reshape(n // PANEL_WIDTH, PANEL_WIDTH, k).transpose(1, 2).contiguous()
+        got = _as_panels(source.tensor(weight).to(dtype))
         if tuple(got.shape) != tuple(shape):
             raise ValueError(f"{name}: {weight} gives {tuple(got.shape)}, not {tuple(shape)}")
         return got
