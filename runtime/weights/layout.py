@@ -454,7 +454,10 @@ def infer_levels(E: np.ndarray, shape: tuple[int, ...]) -> tuple | None:
     return tuple(reversed(levels))
 
 
-def _check(region: Region, E: np.ndarray, part: bool = False) -> bool:
+def _check(region: Region, E: np.ndarray, part: bool = False, row: int | None = None) -> bool:
+    """Whether region, packed from element indices, is how E starts. part: the region is one
+    slice (or run of slices) of its weight; `row`: the elements of the weight's slice, which a
+    1-D region's part must be whole slices of (other shapes: whole rows of their own)."""
     n = int(np.prod(region.shape, dtype=np.int64))
     if region.size() > len(E):
         return False
@@ -469,12 +472,13 @@ def _check(region: Region, E: np.ndarray, part: bool = False) -> bool:
     if not part:
         return True
     # Part of a weight (one of its slices, packed on their own): whole rows of it, each
-    # element once; never a stray code or a few elements of a shuffle.
-    inner = int(np.prod(region.shape[1:], dtype=np.int64))
+    # element once; never a stray code or a few elements of a shuffle. A raw copy of slices
+    # is one run, read as a 1-D shape: its rows are the weight's.
+    inner = int(np.prod(region.shape[1:], dtype=np.int64)) if len(region.shape) > 1 else row
     got = np.sort(want[want >= 0])
     first = int(np.ravel_multi_index(region.start(), region.shape))
     return (
-        len(region.shape) > 1
+        inner is not None
         and first % inner == 0
         and len(got) % inner == 0
         and np.array_equal(got, np.arange(first, first + len(got)))
@@ -556,7 +560,8 @@ def _region_at(units: _Units, j: int, decoder: _Decoder, shapes) -> Region | Non
     # only while the region may go on past what was read (up to 4x the weight). A slice (of
     # a split Winograd conv's 16 or 36) is read as one slice first: read as the whole weight,
     # each slice decoded the whole weight's worth, 16x the words (hours for a bf16 UNet).
-    one = int(np.prod(shape[1:], dtype=np.int64)) if first else size
+    row = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else None
+    one = row if first else size
     for span in dict.fromkeys(x + (1 << 16) for x in (one, size, 4 * size)):
         end = min(units.n, j + span)
         E = decoder.elements(units, j, end, p)
@@ -569,7 +574,7 @@ def _region_at(units: _Units, j: int, decoder: _Decoder, shapes) -> Region | Non
             # the region is the slice
             for k in range(len(levels)):
                 r = Region(key, j * units.itemsize, cand, levels[k:], origin, dtype)
-                if _check(r, E, part=bool(first or k)):
+                if _check(r, E, part=bool(first or k), row=row):
                     return r
         if bounded:
             return None

@@ -363,3 +363,25 @@ def test_a_change_past_the_share_goes_through_the_encoder(compiled, monkeypatch,
     _image(art, _lora_like(art))
     err = capsys.readouterr().err
     assert "unet: too many weights" in err and "unet: encoded in" in err
+
+
+def test_a_run_of_unpadded_slices_is_found_as_whole_rows():
+    """An unpacked copy of a split Winograd conv's weight from slice 1 on (SD 1.5's conv_out
+    with panels: its 36 slices [320, 4] copied raw as slice 0, all 36, then 1-35): read as a
+    contiguous run, it has no level but the last dim's, so it is a region of whole slices, not
+    a stray run of codes, and the weight's layout is complete."""
+    taps, c, o = 6, 5, 4
+    shapes = {"u": (taps, c, o), "v": (4, 4)}
+    bases = {"u": 0, "v": taps * c * o}
+    index = np.arange(taps * c * o)
+    row = c * o
+    pieces = [index[:row], index, index[row:], np.arange(16)]
+    coded = _codes([("u", p) for p in pieces[:3]] + [("v", pieces[3])], bases)
+    regions, failed, _ = learn_entry(coded, _Decoder(bases, shapes), shapes)
+    assert not failed
+    u = np.random.default_rng(0).standard_normal((taps, c, o)).astype(np.float32)
+    got = np.concatenate([r.pack(u) for r in regions if r.param == "u"])
+    np.testing.assert_array_equal(got, np.concatenate([u.reshape(-1)[p] for p in pieces[:3]]))
+    # a run that starts inside a slice is no region of whole slices
+    coded = _codes([("u", index[row + 1 :]), ("v", pieces[3])], bases)
+    assert learn_entry(coded, _Decoder(bases, shapes), shapes)[1] == {"u"}
