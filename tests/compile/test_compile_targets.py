@@ -210,20 +210,25 @@ def test_cpu_weights_are_derived_at_export_and_encoded_at_compile(compiled, comp
     """cpu: the Winograd weights are derived at export into their own shared archive; every
     submodule's repacked weights were computed by its encoder at compile time into
     `<submodule>.encoded.irpa` beside the vmfb, which the artifact then needs instead of the
-    derived archive. Without it the module cannot load; vulkan has no derived archive."""
+    derived archive. Without it the module cannot load; vulkan has no derived archive.
+    On a CPU without avx512f the UNet's linears are panels (specs/targets.json), which the
+    module reads as they were derived: then its derived archive is in the artifact too."""
     import iree.runtime as rt
 
     from sdiree.compile.param_encoder import loads_with
 
+    panels = load_registry().target("cpu").export_for("unet", "fp32", "host").get("linear")
+    derived_name = "unet.winograd2+panels.irpa" if panels == "panels" else "unet.winograd2.irpa"
     out = compiled.get("cpu", "host", "fp32")
     m = load_manifest(out)
     for name, sub in m.submodules.items():
         assert sub.extra_parameters[-1] == (f"{name}.encoded.irpa", f"{name}_encoded"), name
         assert all(path in m.data["files"] for path, _ in sub.extra_parameters)
-    # The UNet's derived weights all reach it through the encoder, so the artifact does not
-    # need their archive; the VAE decoder's 3-channel conv_out is not data-tiled and reads its
-    # derived weight directly, so that archive is listed (and is needed).
-    assert len(m.submodules["unet"].extra_parameters) == 1
+    # The UNet's Winograd weights all reach it through the encoder, so without panels the
+    # artifact does not need their archive; the VAE decoder's 3-channel conv_out is not
+    # data-tiled and reads its derived weight directly, so that archive is listed (and needed).
+    unet_extra = [p for p, _ in m.submodules["unet"].extra_parameters]
+    assert unet_extra == ([derived_name] if panels == "panels" else []) + ["unet.encoded.irpa"]
     vae = m.submodules["vae_decoder"]
     assert [s for _, s in vae.extra_parameters] == ["vae", "vae_decoder_encoded"]
     assert vae.extra_parameters[0][0] == "vae.winograd4.irpa"  # its F(4x4) weights, in the artifact
@@ -232,13 +237,16 @@ def test_cpu_weights_are_derived_at_export_and_encoded_at_compile(compiled, comp
         ("vae_decoder_encoded", out / vae.extra_parameters[1][0]),
     ]
     assert not loads_with(m.path(vae.vmfb), encoded_only, "local-task")
-    # The UNet's derived archive stays in the compile cache: nothing at run time reads it.
-    assert not (out / "unet.winograd2.irpa").exists()
-    (derived,) = (compile_cache / compiled.model.name).rglob("params/*-fp32/unet.winograd2.irpa")
+    # Without panels the UNet's derived archive stays in the compile cache: nothing at run time
+    # reads it. With them, it is in the artifact, for the panels the module reads.
+    assert (out / derived_name).exists() == (panels == "panels")
+    (derived,) = (compile_cache / compiled.model.name).rglob(f"params/*-fp32/{derived_name}")
     index = rt.ParameterIndex()
     index.load(str(derived))
     keys = [k for k, _ in index.items()]
-    assert keys and all(k.endswith(".weight_winograd") for k in keys)
+    assert any(k.endswith(".weight_winograd") for k in keys)
+    assert any(k.endswith(".weight_panels") for k in keys) == (panels == "panels")
+    assert all(k.endswith((".weight_winograd", ".weight_panels")) for k in keys)
     assert (
         not m.path(m.submodules["text_encoder"].parameters)
         .with_name("text_encoder.winograd2.irpa")
@@ -248,9 +256,10 @@ def test_cpu_weights_are_derived_at_export_and_encoded_at_compile(compiled, comp
     # The unet module loads from those two archives and refuses to without the encoded one
     # (it does not recompute it).
     unet = m.submodules["unet"]
-    vmfb, shared = m.path(unet.vmfb), ("unet", m.path(unet.parameters))
-    assert loads_with(vmfb, [shared, ("unet_encoded", out / "unet.encoded.irpa")], "local-task")
-    assert not loads_with(vmfb, [shared], "local-task")
+    vmfb = m.path(unet.vmfb)
+    every = [(scope, out / path) for path, scope in unet.archives()]
+    assert loads_with(vmfb, every, "local-task")
+    assert not loads_with(vmfb, [a for a in every if a[0] != "unet_encoded"], "local-task")
     # vulkan derives no weights at export: all but its UNet load an encoded archive beside the
     # weights (tests/compile/test_gpu_encoded.py)
     vk = load_manifest(compiled.get("vulkan-spirv", "lavapipe", "fp32"))

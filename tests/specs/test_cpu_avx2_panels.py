@@ -1,10 +1,10 @@
 """The cpu target's UNet linears as weight panels on CPUs without AVX-512 (export choice
-`linear: "panels"`, specs/tuning/cpu_avx2_linear_panels.mlir; not shipped in the registry yet):
-the registry's `if_cpu_lacks` gives both to fp32 UNet compiles for such CPUs only; a tiny UNet compiled for `x86-64-v3` (which runs on any CPU of
-the suite) runs its linears with the 6x16 tile (the configuration dump), matches diffusers, keeps
-no original linear weight the panels hold (read back exactly), and derives the panels again from
-other weights at run time (`sdiree run --weights`). The speed it is for: tools/PERFORMANCE.md
-(thirty-third session).
+`linear: "panels"`, specs/tuning/cpu_avx2_linear_panels.mlir): the registry's `if_cpu_lacks`
+gives both to fp32 UNet compiles for such CPUs only; a tiny UNet compiled for `x86-64-v3` (which
+runs on any CPU of the suite) runs its linears with the 6x16 tile (the configuration dump),
+matches diffusers, keeps no original linear weight the panels hold (read back exactly), and
+derives the panels again from other weights at run time (`sdiree run --weights`). The speed it
+is for: tools/PERFORMANCE.md (thirty-third and thirty-fourth sessions).
 """
 
 from __future__ import annotations
@@ -28,28 +28,21 @@ TILE = "vector_common_parallel = [6, 1, 16, 0]"
 SUBMODULES = ("text_encoder", "unet", "vae_decoder", "vae_encoder")
 
 
-def _panels_specs(tmp_path: Path, dump: Path | None = None) -> Path:
-    """The shipped specs with the UNet's panels (export choice and tuning spec) given to fp32
-    compiles for CPUs without avx512f, as `if_cpu_lacks` says (not shipped yet: compile/NOTES.md,
-    thirty-fourth session)."""
+def _dump_specs(tmp_path: Path, dump: Path) -> Path:
+    """The shipped specs, the `x86-64-v3` preset also dumping each executable's configuration."""
     specs = tmp_path / "specs"
     shutil.copytree(ROOT / "specs", specs)
     data = json.loads((specs / "targets.json").read_text())
-    cpu = data["targets"]["cpu"]
-    lack = cpu["dtype_options"]["fp32"]["if_cpu_lacks"]["avx512f"]
-    lack["tuning_specs"] = {"unet": SPEC_REL}
-    lack["submodule_export"] = {"unet": {"linear": "panels"}}
-    if dump is not None:
-        preset = cpu["arches"]["x86-64-v3"]
-        preset["flags"] = [*preset["flags"], f"--iree-hal-dump-executable-configurations-to={dump}"]
+    preset = data["targets"]["cpu"]["arches"]["x86-64-v3"]
+    preset["flags"] = [*preset["flags"], f"--iree-hal-dump-executable-configurations-to={dump}"]
     (specs / "targets.json").write_text(json.dumps(data))
     return specs
 
 
-def test_if_cpu_lacks_gives_panels_to_fp32_unets_on_cpus_without_avx512(tmp_path):
+def test_if_cpu_lacks_gives_panels_to_fp32_unets_on_cpus_without_avx512():
     from sdiree.compile.plan import tuning_spec
 
-    registry = load_registry(_panels_specs(tmp_path))
+    registry = load_registry(ROOT / "specs")
     cpu = registry.target("cpu")
     zen5 = Arch(name="zen5", description="", flags=(), cpu_features=("avx2", "avx512f"))
     cpu = dataclasses.replace(cpu, arches={**cpu.arches, "zen5": zen5})
@@ -108,7 +101,7 @@ def test_avx2_unet_with_panels_matches_diffusers(tiny_model, tmp_path):
     from sdiree.runtime.weights.sources import build_overrides
 
     dump = tmp_path / "dump"
-    specs = _panels_specs(tmp_path, dump)
+    specs = _dump_specs(tmp_path, dump)
 
     art = tmp_path / "art"
     opts = CompileOptions(tiny_model, "cpu", arch="x86-64-v3", dtype="fp32", out=art,
