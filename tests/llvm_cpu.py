@@ -20,3 +20,12 @@ def run_main(mlir: str, *inputs: np.ndarray, flags: tuple[str, ...] = ()) -> np.
     ctx = rt.SystemContext(config=config)
     ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
     return np.asarray(ctx.modules.module.main(*inputs).to_host())
+
+
+def host_unet_takes_panels() -> bool:
+    """Whether a `host` cpu fp32 compile exports the UNet's linears as weight panels (on a CPU
+    without avx512f: `if_cpu_lacks` in specs/targets.json)."""
+    from sdiree.runtime.targets import load_registry
+
+    cpu = load_registry().target("cpu")
+    return cpu.export_for("unet", "fp32", "host").get("linear") == "panels"

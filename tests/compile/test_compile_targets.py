@@ -214,11 +214,12 @@ def test_cpu_weights_are_derived_at_export_and_encoded_at_compile(compiled, comp
     On a CPU without avx512f the UNet's linears are panels (specs/targets.json), which the
     module reads as they were derived: then its derived archive is in the artifact too."""
     import iree.runtime as rt
+    from llvm_cpu import host_unet_takes_panels
 
     from sdiree.compile.param_encoder import loads_with
 
-    panels = load_registry().target("cpu").export_for("unet", "fp32", "host").get("linear")
-    derived_name = "unet.winograd2+panels.irpa" if panels == "panels" else "unet.winograd2.irpa"
+    panels = host_unet_takes_panels()
+    derived_name = "unet.winograd2+panels.irpa" if panels else "unet.winograd2.irpa"
     out = compiled.get("cpu", "host", "fp32")
     m = load_manifest(out)
     for name, sub in m.submodules.items():
@@ -228,7 +229,7 @@ def test_cpu_weights_are_derived_at_export_and_encoded_at_compile(compiled, comp
     # artifact does not need their archive; the VAE decoder's 3-channel conv_out is not
     # data-tiled and reads its derived weight directly, so that archive is listed (and needed).
     unet_extra = [p for p, _ in m.submodules["unet"].extra_parameters]
-    assert unet_extra == ([derived_name] if panels == "panels" else []) + ["unet.encoded.irpa"]
+    assert unet_extra == ([derived_name] if panels else []) + ["unet.encoded.irpa"]
     vae = m.submodules["vae_decoder"]
     assert [s for _, s in vae.extra_parameters] == ["vae", "vae_decoder_encoded"]
     assert vae.extra_parameters[0][0] == "vae.winograd4.irpa"  # its F(4x4) weights, in the artifact
@@ -239,13 +240,13 @@ def test_cpu_weights_are_derived_at_export_and_encoded_at_compile(compiled, comp
     assert not loads_with(m.path(vae.vmfb), encoded_only, "local-task")
     # Without panels the UNet's derived archive stays in the compile cache: nothing at run time
     # reads it. With them, it is in the artifact, for the panels the module reads.
-    assert (out / derived_name).exists() == (panels == "panels")
+    assert (out / derived_name).exists() == panels
     (derived,) = (compile_cache / compiled.model.name).rglob(f"params/*-fp32/{derived_name}")
     index = rt.ParameterIndex()
     index.load(str(derived))
     keys = [k for k, _ in index.items()]
     assert any(k.endswith(".weight_winograd") for k in keys)
-    assert any(k.endswith(".weight_panels") for k in keys) == (panels == "panels")
+    assert any(k.endswith(".weight_panels") for k in keys) == panels
     assert all(k.endswith((".weight_winograd", ".weight_panels")) for k in keys)
     assert (
         not m.path(m.submodules["text_encoder"].parameters)
