@@ -57,7 +57,7 @@ from sdiree.runtime.manifest import HASH_CACHE, MANIFEST_NAME, check_files, load
 from sdiree.runtime.weights.sources import file_sha256
 
 from .build_cache import BuildCache
-from .exporters import DERIVED_REVISION, EXPORTER_REVISION
+from .exporters import DERIVED_REVISION, EXPORTER_REVISION, ensure_kernels, kernels_for
 from .manifest_writer import build_manifest
 from .plan import (  # noqa: F401  (re-exported: callers import the compile API from here)
     CACHE_ENV,
@@ -128,6 +128,7 @@ class Builder:
             # the VAE is exported at its tile size where it tiles
             **({"vae_tile": p.vae_tile} if submodule.startswith("vae") and p.vae_tiled else {}),
             "export": self.export_options(submodule),
+            **({"kernels": k} if (k := kernels_for(self.export_options(submodule))) else {}),
             "exporter_revision": EXPORTER_REVISION,
             "versions": self.versions,
         }
@@ -468,6 +469,7 @@ class Builder:
         from .tuning_embed import with_spec
 
         flags, specs = flags_for(self.plan, submodule)
+        ensure_kernels(self.export_options(submodule))
         key, mkey = self.compile_keys(submodule, mlir, [sha for _, sha in params])
         out = self.plan.out
         vmfb = out / f"{submodule}.vmfb"

@@ -47,7 +47,8 @@ class Arch:
 
 @dataclass(frozen=True)
 class CpuLack:
-    """What a dtype option changes, per submodule, when the arch's CPU lacks a feature."""
+    """What a dtype option changes, per submodule, when the arch's CPU lacks a feature (under
+    `if_cpu_lacks`) or has one (under `if_cpu_has`)."""
 
     # {submodule: spec}: a preprocessing transform spec
     # (`--iree-preprocessing-transform-spec-filename`)
@@ -79,6 +80,9 @@ class DtypeOption:
     # {cpu feature: CpuLack}: what changes when the arch's CPU lacks the feature (e.g. cpu fp32
     # without avx512f: AVX2's f32 tiles)
     if_cpu_lacks: dict[str, CpuLack] = field(default_factory=dict)
+    # {cpu feature: CpuLack}: what changes when the arch's CPU has the feature (e.g. cpu bf16 with
+    # AMX: the UNet's linears on sdiree's AMX kernel), after the if_cpu_lacks changes
+    if_cpu_has: dict[str, CpuLack] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -120,8 +124,8 @@ class Target:
             **(opt.submodule_export.get(submodule, {}) if opt else {}),
         }
         if dtype and arch in self.arches:
-            for lack in self.cpu_lacks(dtype, arch):
-                choices.update(lack.submodule_export.get(submodule, {}))
+            for case in self.cpu_cases(dtype, arch):
+                choices.update(case.submodule_export.get(submodule, {}))
         return {k: v for k, v in choices.items() if v is not None}
 
     def refusals(self, arch: str) -> dict[str, str]:
@@ -178,20 +182,33 @@ class Target:
         have = self.arch(arch).features()
         return tuple(lack for f, lack in opt.if_cpu_lacks.items() if f not in have)
 
+    def cpu_cases(self, dtype: str, arch: str) -> tuple[CpuLack, ...]:
+        """cpu_lacks, then the dtype option's changes for the features arch's CPU has."""
+        opt = self.dtype_options.get(dtype)
+        if not opt or not opt.if_cpu_has:
+            return self.cpu_lacks(dtype, arch)
+        have = self.arch(arch).features()
+        return (
+            *self.cpu_lacks(dtype, arch),
+            *(case for f, case in opt.if_cpu_has.items() if f in have),
+        )
+
     def preprocessing_spec(self, dtype: str, arch: str, submodule: str) -> str | None:
         """The registry-relative preprocessing spec a submodule compiles with for arch's CPU: the
-        dtype option's for the first feature that CPU lacks which names one for submodule."""
-        for lack in self.cpu_lacks(dtype, arch):
-            if submodule in lack.preprocessing_specs:
-                return lack.preprocessing_specs[submodule]
+        dtype option's for the first feature that CPU lacks (or has) which names one for
+        submodule."""
+        for case in self.cpu_cases(dtype, arch):
+            if submodule in case.preprocessing_specs:
+                return case.preprocessing_specs[submodule]
         return None
 
     def cpu_tuning_spec(self, dtype: str, arch: str, submodule: str) -> str | None:
         """The registry-relative tuning spec a submodule compiles with for arch's CPU, before any
-        other: the dtype option's for the first feature that CPU lacks which names one."""
-        for lack in self.cpu_lacks(dtype, arch):
-            if submodule in lack.tuning_specs:
-                return lack.tuning_specs[submodule]
+        other: the dtype option's for the first feature that CPU lacks (or has) which names
+        one."""
+        for case in self.cpu_cases(dtype, arch):
+            if submodule in case.tuning_specs:
+                return case.tuning_specs[submodule]
         return None
 
     def dtype_flags(self, dtype: str, arch: str) -> tuple[str, ...]:
@@ -303,6 +320,7 @@ DTYPE_OPTION_FIELDS = {
     "notes_if_cpu_has": "str_map",
     "tuning_specs": "str_map",
     "if_cpu_lacks": "obj_map",
+    "if_cpu_has": "obj_map",
 }
 CPU_LACK_FIELDS = {
     "preprocessing_specs": "str_map",
@@ -321,7 +339,7 @@ EXPORT_CHOICES = {
         "pointwise_einsum",
         "pointwise_einsum_fhwc",
     ),
-    "linear": ("native", "flat", "panels"),
+    "linear": ("native", "flat", "panels", "amx"),
     "transformer": ("native", "channels_first"),  # the UNet's transformer blocks
     "winograd_output": ("batched", "interleaved"),  # a split Winograd conv's inverse transform
     "layout": ("native", "channels_last"),  # the VAE decoder's activations between its convs
@@ -467,13 +485,14 @@ def check_registry(data: dict, path: Path) -> None:
             for sub, choices in opt.get("submodule_export", {}).items():
                 at = f"{wd}.submodule_export.{sub}"
                 c.export(choices, at, sub, nullable=True)
-            for feature, lack in opt.get("if_cpu_lacks", {}).items():
-                at = f"{wd}.if_cpu_lacks.{feature}"
-                c.fields(lack, CPU_LACK_FIELDS, (), at)
-                for key in CPU_LACK_FIELDS:
-                    c.names(lack.get(key, {}), submodules, f"{at}.{key}", "submodule")
-                for sub, choices in lack.get("submodule_export", {}).items():
-                    c.export(choices, f"{at}.submodule_export.{sub}", sub, nullable=True)
+            for when in ("if_cpu_lacks", "if_cpu_has"):
+                for feature, lack in opt.get(when, {}).items():
+                    at = f"{wd}.{when}.{feature}"
+                    c.fields(lack, CPU_LACK_FIELDS, (), at)
+                    for key in CPU_LACK_FIELDS:
+                        c.names(lack.get(key, {}), submodules, f"{at}.{key}", "submodule")
+                    for sub, choices in lack.get("submodule_export", {}).items():
+                        c.export(choices, f"{at}.submodule_export.{sub}", sub, nullable=True)
         for a, spec in t["arches"].items():
             wa = f"{w}.arches.{a}"
             c.fields(spec, ARCH_FIELDS, (), wa)
@@ -494,6 +513,17 @@ def check_registry(data: dict, path: Path) -> None:
             c.fields(t["encoder"], ENCODER_FIELDS, ("driver", "flags"), f"{w}.encoder")
             if not t.get("encode_parameters"):
                 c.fail(f"{w}.encoder", "is set but encode_parameters is not true")
+
+
+def _cpu_cases(spec: dict) -> dict[str, CpuLack]:
+    return {
+        f: CpuLack(
+            preprocessing_specs=dict(case.get("preprocessing_specs", {})),
+            tuning_specs=dict(case.get("tuning_specs", {})),
+            submodule_export={k: dict(v) for k, v in case.get("submodule_export", {}).items()},
+        )
+        for f, case in spec.items()
+    }
 
 
 def default_specs_dir() -> Path:
@@ -563,16 +593,8 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
                     submodule_export=dict(o.get("submodule_export", {})),
                     notes_if_cpu_has=dict(o.get("notes_if_cpu_has", {})),
                     tuning_specs=dict(o.get("tuning_specs", {})),
-                    if_cpu_lacks={
-                        f: CpuLack(
-                            preprocessing_specs=dict(lack.get("preprocessing_specs", {})),
-                            tuning_specs=dict(lack.get("tuning_specs", {})),
-                            submodule_export={
-                                k: dict(v) for k, v in lack.get("submodule_export", {}).items()
-                            },
-                        )
-                        for f, lack in o.get("if_cpu_lacks", {}).items()
-                    },
+                    if_cpu_lacks=_cpu_cases(o.get("if_cpu_lacks", {})),
+                    if_cpu_has=_cpu_cases(o.get("if_cpu_has", {})),
                 )
                 for d, o in t.get("dtype_options", {}).items()
             },

@@ -42,6 +42,25 @@ COMPONENTS = {
 }
 
 
+def kernels_for(options: dict) -> dict[str, str]:
+    """The hand-written kernels (specs/kernels) an export with these choices links, {name: sha256
+    of its source}: part of the export's cache key."""
+    from ..kernel_objects import source_hash
+    from .amx_matmul import KERNEL
+
+    names = [KERNEL] if options.get("linear") == "amx" else []
+    return {name: source_hash(name) for name in names}
+
+
+def ensure_kernels(options: dict) -> None:
+    """Build the kernels' objects that an export with these choices names, where the user cache
+    lost them (a cached export names them by path: compile/kernel_objects.py)."""
+    from .amx_matmul import object_path
+
+    if options.get("linear") == "amx":
+        object_path()
+
+
 def scope_for(submodule: str) -> str:
     return SCOPES[submodule]
 

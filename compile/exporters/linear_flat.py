@@ -11,7 +11,7 @@ is folded into the contraction, as it already is in the guided `denoise_cfg` (wh
 unchanged), and no copy is made. GPU targets use it; the cpu target packs its weights at compile
 time anyway (parameter encoding) and keeps its graphs.
 
-The choice `panels` (linear_panels.py) is bound here too.
+The choices `panels` (linear_panels.py) and `amx` (linear_amx.py) are bound here too.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import types
 import torch
 import torch.nn.functional as F
 
+from .linear_amx import amx_forward, fits_linear
 from .linear_panels import has_panels, heads_merged_inputs, panels_forward
 
-LINEAR_CHOICES = ("native", "flat", "panels")
+LINEAR_CHOICES = ("native", "flat", "panels", "amx")
 
 
 def _flat_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -35,7 +36,8 @@ def _flat_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def set_linear_lowering(model: torch.nn.Module, choice: str) -> int:
     """Rebind the forward of every nn.Linear in model to the lowering named choice (under
-    `panels`, those with panels; the others keep their own); returns how many were rebound."""
+    `panels`, those with panels, and under `amx` those whose features fit its kernel; the others
+    keep their own); returns how many were rebound."""
     if choice not in LINEAR_CHOICES:
         raise ValueError(f"unknown linear lowering {choice!r}")
     count = 0
@@ -48,6 +50,8 @@ def set_linear_lowering(model: torch.nn.Module, choice: str) -> int:
             m.forward = types.MethodType(_flat_forward, m)
         elif choice == "panels" and has_panels(m) and id(m) not in merged_heads:
             m.forward = types.MethodType(panels_forward(m), m)
+        elif choice == "amx" and fits_linear(m):
+            m.forward = types.MethodType(amx_forward(m), m)
         elif choice != "native":
             continue
         count += 1

@@ -286,19 +286,12 @@ def test_compile_notes_a_dtype_the_cpu_lacks_features_for(tiny_model, tmp_path, 
     assert ("has no avx512_bf16, so bf16 is compiled without" in said.getvalue()) == noted
 
 
-@pytest.mark.parametrize(
-    "features,dtype,noted",
-    [(("amx_bf16",), "bf16", True), ((), "bf16", False), (("amx_bf16",), "fp32", False)],
-)
-def test_compile_notes_bf16_is_slower_on_an_amx_cpu(tiny_model, tmp_path, features, dtype, noted):
-    """On a CPU with AMX (iree 3.13 has no AMX kernels) bf16 ran slower than fp32: compile says
-    so, from the registry's `notes_if_cpu_has`, for an arch whose CPU has the feature."""
-    import io
+def _probe_registry(tmp_path, features, note=None):
+    """A copy of the shipped specs with an arch `probe` whose CPU has features (and a bf16 note
+    for amx_bf16 when note is given)."""
     import json
     import shutil
 
-    from sdiree.compile.driver import CompileOptions, resolve
-    from sdiree.compile.report import Reporter
     from sdiree.runtime.targets import default_specs_dir
 
     specs = tmp_path / "specs"
@@ -306,10 +299,46 @@ def test_compile_notes_bf16_is_slower_on_an_amx_cpu(tiny_model, tmp_path, featur
     data = json.loads((specs / "targets.json").read_text())
     base = ["avx2", "fma", "avx512f", "avx512_bf16"]
     data["targets"]["cpu"]["arches"]["probe"] = {"flags": [], "cpu_features": [*base, *features]}
+    if note:
+        data["targets"]["cpu"]["dtype_options"]["bf16"]["notes_if_cpu_has"] = {"amx_bf16": note}
     (specs / "targets.json").write_text(json.dumps(data))
+    return specs
+
+
+@pytest.mark.parametrize(
+    "features,dtype,noted",
+    [(("amx_bf16",), "bf16", True), ((), "bf16", False), (("amx_bf16",), "fp32", False)],
+)
+def test_compile_says_a_dtypes_note_for_a_feature_the_cpu_has(
+    tiny_model, tmp_path, features, dtype, noted
+):
+    """The registry's `notes_if_cpu_has` are said at compile for an arch whose CPU has the
+    feature, for that dtype only."""
+    import io
+
+    from sdiree.compile.driver import CompileOptions, resolve
+    from sdiree.compile.report import Reporter
+
+    specs = _probe_registry(tmp_path, features, note="probe note: this CPU has AMX")
     said = io.StringIO()
     opts = CompileOptions(
         tiny_model, "cpu", arch="probe", dtype=dtype, out=tmp_path / "a", specs_dir=specs
     )
     resolve(opts, Reporter(stream=said))
-    assert ("this CPU has AMX" in said.getvalue()) == noted
+    assert ("probe note: this CPU has AMX" in said.getvalue()) == noted
+
+
+@pytest.mark.parametrize(
+    "features,dtype,amx",
+    [(("amx_tile", "amx_bf16"), "bf16", True), ((), "bf16", False), (("amx_bf16",), "fp32", False)],
+)
+def test_bf16_unets_linears_take_the_amx_kernel_on_an_amx_cpu(tmp_path, features, dtype, amx):
+    """cpu bf16 on a CPU with AMX (`if_cpu_has.amx_bf16`): the UNet's linears go to sdiree's AMX
+    kernel (compile/exporters/linear_amx.py); the other submodules, fp32 and CPUs without AMX
+    keep iree's own."""
+    from sdiree.runtime.targets import load_registry
+
+    cpu = load_registry(_probe_registry(tmp_path, features)).targets["cpu"]
+    assert (cpu.export_for("unet", dtype, "probe").get("linear") == "amx") == amx
+    for sub in ("text_encoder", "vae_decoder", "vae_encoder"):
+        assert cpu.export_for(sub, dtype, "probe").get("linear") != "amx"

@@ -1,0 +1,183 @@
+"""A bf16 matmul traced as a dispatch to sdiree's AMX kernel (specs/kernels/amx_bf16_matmul.c).
+
+iree 3.13 has no AMX ukernel: on a CPU with AMX its bf16 matmuls run on avx512_bf16 dot products
+at about the fp32 rate, while AMX's tiles do 16x16x32 products a few cycles each (one
+8192x320 @ 320x1280 matmul: iree bf16 106 ms, fp32 71 ms, this kernel 10.5 ms; compile/NOTES.md,
+"AMX"). `amx_matmul(a, b)` is an iree-turbine custom op whose MLIR is a `flow.dispatch` to a
+`stream.executable` that calls the kernel, its object (compile/kernel_objects.py) named as a
+`hal.executable.object`: iree links it into the module, and nothing else of the graph changes.
+
+a is [M, K] bf16, b the weight packed for AMX's B operand ([N / 16, K / 2, 16, 2] bf16, `pack_b`
+of a Linear's [N, K] weight: a transpose and a cast of a parameter, which iree hoists into the
+parameter encoder, so the encoded archive holds it and no call pays for it), and the result
+[M, N] float32 (products of bf16 inputs summed in fp32). M, N and K must be multiples of 32
+(`fits`); eagerly (tests, shape probes) the op is the same product in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KERNEL = "amx_bf16_matmul"
+ISA_FLAGS = ("-mamx-tile", "-mamx-bf16")
+# one workgroup's block of C: the kernel's SDIREE_AMX_MB x SDIREE_AMX_NB (its defaults)
+BLOCK_M, BLOCK_N = 128, 64
+MULTIPLE = 32
+
+
+def fits(m, n: int, k: int) -> bool:
+    """Whether an [m, k] x [k, n] matmul can go to the kernel (m a traced size: an int when
+    static)."""
+    return isinstance(m, int) and all(d % MULTIPLE == 0 and d > 0 for d in (m, n, k))
+
+
+def pack_b(weight: torch.Tensor) -> torch.Tensor:
+    """A Linear's weight [N, K] as the kernel's B operand [N / 16, K / 2, 16, 2], in bf16."""
+    n, k = weight.shape
+    return weight.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).to(torch.bfloat16)
+
+
+def unpack_b(packed: torch.Tensor) -> torch.Tensor:
+    """pack_b's operand back as [K, N] (the eager product's right operand)."""
+    j, k2, _, _ = packed.shape
+    return packed.permute(1, 3, 0, 2).reshape(k2 * 2, j * 16)
+
+
+def amx_matmul(a: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """a [M, K] bf16 times pack_b's operand: [M, N] float32 (`register()` first, outside a
+    trace: dynamo cannot trace the op's registration)."""
+    if _OP is None:
+        raise RuntimeError("amx_matmul: call register() before tracing")
+    return _OP(a, packed)
+
+
+_OP = None
+
+
+def register() -> None:
+    """Register the custom op with torch (once a process)."""
+    global _OP
+    if _OP is None:
+        _OP = _make_op()
+
+
+_TEMPLATE = """
+#x86 = #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64">
+module {{
+  stream.executable private @{name}_exe attributes {{hal.executable.objects =
+      #hal.executable.objects<{{#x86 = [#hal.executable.object<{{path = "{path}"}}>]}}>}} {{
+    stream.executable.export public @matmul workgroups(%m: index, %n: index)
+        -> (index, index, index) {{
+      %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_n})>()[%n]
+      %y = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_m})>()[%m]
+      %c1 = arith.constant 1 : index
+      stream.return %x, %y, %c1 : index, index, index
+    }}
+    builtin.module {{
+      func.func private @sdiree_amx_bf16_matmul_workgroup(memref<bf16>, index, memref<bf16>,
+          index, memref<f32>, index, index, index, index, index, index) -> i32
+          attributes {{hal.import.static, llvm.bareptr = true}}
+      func.func @matmul(%a: !stream.binding, %b: !stream.binding, %c: !stream.binding,
+          %M: index, %N: index, %K: index) {{
+        %c0 = arith.constant 0 : index
+        %wn = stream.dispatch.workgroup.id[0] : index
+        %wm = stream.dispatch.workgroup.id[1] : index
+        %sa = arith.muli %M, %K : index
+        %sb = arith.muli %N, %K : index
+        %sc = arith.muli %M, %N : index
+        %am = stream.binding.subspan %a[%c0] : !stream.binding -> memref<?xbf16>{{%sa}}
+        %bm = stream.binding.subspan %b[%c0] : !stream.binding -> memref<?xbf16>{{%sb}}
+        %cm = stream.binding.subspan %c[%c0] : !stream.binding -> memref<?xf32>{{%sc}}
+        %ab, %ao, %as, %at = iree_codegen.extract_strided_metadata %am
+            : memref<?xbf16> -> memref<bf16>, index, index, index
+        %bb, %bo, %bs, %bt = iree_codegen.extract_strided_metadata %bm
+            : memref<?xbf16> -> memref<bf16>, index, index, index
+        %cb, %co, %cs, %ct = iree_codegen.extract_strided_metadata %cm
+            : memref<?xf32> -> memref<f32>, index, index, index
+        %r = func.call @sdiree_amx_bf16_matmul_workgroup(%ab, %ao, %bb, %bo, %cb, %co, %M, %N,
+            %K, %wn, %wm) : (memref<bf16>, index, memref<bf16>, index, memref<f32>, index,
+            index, index, index, index, index) -> i32
+        return
+      }}
+    }}
+  }}
+  util.func private @{name}(%a: tensor<{m}x{k}xbf16>, %b: tensor<{j}x{k2}x16x2xbf16>)
+      -> tensor<{m}x{n}xf32> {{
+    %m = arith.constant {m} : index
+    %n = arith.constant {n} : index
+    %k = arith.constant {k} : index
+    %0 = flow.dispatch @{name}_exe::@matmul[%m, %n](%a, %b, %m, %n, %k)
+        : (tensor<{m}x{k}xbf16>, tensor<{j}x{k2}x16x2xbf16>, index, index, index)
+        -> tensor<{m}x{n}xf32>
+    util.return %0 : tensor<{m}x{n}xf32>
+  }}
+}}
+"""
+
+
+def object_path() -> str:
+    """The kernel's object (built once into the user cache: compile/kernel_objects.py)."""
+    from ..kernel_objects import build_object
+
+    return str(build_object(KERNEL, ISA_FLAGS))
+
+
+def _mlir_binding_compat() -> None:
+    """iree-turbine 3.9's custom-op expansion calls `IntegerType.isinstance(t)` and the like,
+    which iree 3.13's MLIR bindings no longer have (`isinstance(t, IntegerType)` instead)."""
+    from iree.compiler import ir
+
+    for name in ("IntegerType", "RankedTensorType", "IndexType", "OpResult", "BlockArgument"):
+        cls = getattr(ir, name, None)
+        if cls is not None and not hasattr(cls, "isinstance"):
+            cls.isinstance = staticmethod(lambda t, cls=cls: isinstance(t, cls))
+
+
+def _make_op():
+    from iree.turbine.runtime.op_reg import CustomOp, def_library, impl_helper
+    from iree.turbine.support.ir_imports import RankedTensorType
+
+    _mlir_binding_compat()
+
+    class _Loader(impl_helper.TemplateLoader):
+        def load_template(self, kb, template: str, **kwargs):
+            return self._parse_module_asm(kb, _TEMPLATE.format(**kwargs))
+
+    loader = _Loader()
+
+    @CustomOp.register(library=def_library("sdiree_amx"))
+    class amx_bf16_matmul(CustomOp):
+        signature = "amx_bf16_matmul(Tensor a, Tensor b) -> (Tensor)"
+
+        def select(self, ksel):
+            a = ksel.arg_tensor(0)
+            b = ksel.arg_tensor(1)
+            a.specialize_all_dims()
+            b.specialize_all_dims()
+            c = ksel.return_new_tensor([a.t.shape[0], b.t.shape[0] * 16], torch.float32)
+            c.specialize_all_dims()
+
+        def eager_execute(self, a, b):
+            return a.float() @ unpack_b(b).float()
+
+        def generate(self, ksel, kb):
+            m, k = RankedTensorType(kb.arg_bindings[0].type).shape
+            j, k2 = RankedTensorType(kb.arg_bindings[1].type).shape[:2]
+            name = f"sdiree_amx_matmul_{m}x{k}x{j * 16}"
+            func = loader.inline_template_function(
+                kb,
+                KERNEL,
+                name,
+                name=name,
+                path=object_path(),
+                block_m=BLOCK_M,
+                block_n=BLOCK_N,
+                m=m,
+                k=k,
+                n=j * 16,
+                j=j,
+                k2=k2,
+            )
+            kb.yield_results(*impl_helper.call_function(func, *kb.arg_bindings))
+
+    return amx_bf16_matmul

@@ -1,0 +1,40 @@
+"""Export choice `linear: "amx"`: every nn.Linear whose matmul fits sdiree's AMX kernel traced as
+a dispatch to it (amx_matmul.py), its input cast to bf16 and its weight packed for the kernel.
+
+For the cpu target's bf16 on CPUs with AMX (specs/targets.json `if_cpu_has.amx_bf16`). The
+packing and cast of the weight are a constant expression of the parameter: iree's parameter
+encoder computes them at compile, so the module reads the packed bf16 weight from the encoded
+archive, as it reads its data-tiled packs. Linears whose sizes do not fit (a token count not a
+multiple of 32, as the text's 77 tokens) keep their own forward, and iree's bf16 path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .amx_matmul import amx_matmul, fits, pack_b, register
+
+
+def fits_linear(linear: torch.nn.Linear) -> bool:
+    """Whether any input could take linear to the kernel (its features fit)."""
+    return fits(MULTIPLE_ROWS, linear.out_features, linear.in_features)
+
+
+MULTIPLE_ROWS = 32  # a row count that fits, for fits_linear
+
+
+def amx_forward(linear: torch.nn.Linear):
+    """The forward to bind to linear under `amx` (the kernel's op registered)."""
+    register()
+    return _amx_forward
+
+
+def _amx_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    if not fits(x2.shape[0], self.out_features, self.in_features):
+        return F.linear(x, self.weight, self.bias)
+    y = amx_matmul(x2.to(torch.bfloat16), pack_b(self.weight))
+    if self.bias is not None:
+        y = y + self.bias
+    return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -1,0 +1,81 @@
+"""Hand-written CPU kernels (specs/kernels/*.c) built into objects for iree's embedded ELF.
+
+iree links a `#hal.executable.object` into an llvm-cpu executable when an export dispatches to
+a function it does not generate (compile/exporters/amx_matmul.py). The object must be
+freestanding: no libc, no TLS, no unwind tables, position independent. It is built here with the
+system's C compiler (`$CC`, else cc, gcc or clang) and kept in the user cache under the sha256 of
+the source, the flags and the compiler's version, so a compile builds it once. The exported MLIR
+names the object by that path (iree 3.13 drops an object's inline `data`: it links an empty
+temporary file instead), so the compile stage builds it again where the cache lost it
+(`ensure_objects`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from sdiree.runtime.errors import UserError
+from sdiree.runtime.fileutil import atomic_path, user_cache_dir
+from sdiree.runtime.targets import default_specs_dir
+
+FREESTANDING = (
+    "-O2",
+    "-std=c11",
+    "-ffreestanding",
+    "-fPIC",
+    "-fno-stack-protector",
+    "-fno-asynchronous-unwind-tables",
+    "-fno-exceptions",
+    "-fvisibility=hidden",
+)
+
+
+def kernel_source(name: str) -> Path:
+    return default_specs_dir() / "kernels" / f"{name}.c"
+
+
+def source_hash(name: str) -> str:
+    """sha256 of a kernel's source (part of the export's cache key)."""
+    return hashlib.sha256(kernel_source(name).read_bytes()).hexdigest()
+
+
+def c_compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def build_object(name: str, isa_flags: tuple[str, ...]) -> Path:
+    """The x86-64 ELF object of specs/kernels/<name>.c built with isa_flags (e.g. -mamx-tile):
+    its path in the user cache."""
+    cc = c_compiler()
+    if cc is None:
+        raise UserError(
+            f"this compile links the kernel specs/kernels/{name}.c and needs a C compiler to build "
+            "it: install gcc or clang (or set $CC), or compile with another --dtype"
+        )
+    flags = (*FREESTANDING, *isa_flags)
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([source_hash(name), *flags, version]).encode()).hexdigest()[:24]
+    out = user_cache_dir() / ".kernels" / f"{name}-{key}.o"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out) as tmp:
+        got = subprocess.run(
+            [cc, *flags, "-c", str(kernel_source(name)), "-o", str(tmp)],
+            capture_output=True,
+            text=True,
+        )
+        if got.returncode != 0:
+            first = (got.stderr.strip().splitlines() or ["(no message)"])[0]
+            raise UserError(
+                f"{cc} could not build specs/kernels/{name}.c ({first}): a compiler that knows "
+                f"{' '.join(isa_flags)} is needed (gcc 11 or newer, clang 12 or newer)"
+            )
+    return out

@@ -1,0 +1,139 @@
+"""`linear: "amx"` (compile/exporters/linear_amx.py, amx_matmul.py): a Linear whose sizes fit
+sdiree's AMX kernel (specs/kernels/amx_bf16_matmul.c) computes bf16 products summed in fp32,
+its weight packed for the kernel; the export dispatches to the kernel's object, which iree links
+into the module (cross-compiled for an AMX CPU on any machine), and where this CPU has AMX the
+module's results are the eager op's."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sdiree.compile.exporters.amx_matmul import fits, pack_b, unpack_b  # noqa: E402
+from sdiree.compile.exporters.linear_flat import set_linear_lowering  # noqa: E402
+from sdiree.runtime.cpu_features import host_cpu_features  # noqa: E402
+
+HAS_AMX = {"amx_tile", "amx_bf16"} <= host_cpu_features()
+FLAGS = [
+    "--iree-hal-target-device=local",
+    "--iree-hal-local-target-device-backends=llvm-cpu",
+    "--iree-opt-data-tiling",
+    "--iree-llvmcpu-enable-ukernels=all",
+]
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(64, 96)
+        self.down = torch.nn.Linear(96, 32)
+        self.odd = torch.nn.Linear(32, 24)  # 24 outputs: not for the kernel
+
+    def forward(self, x):
+        return self.odd(self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+def bf16_linear(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The product of bf16-rounded input and weight, summed in float64."""
+    xb = x.to(torch.bfloat16).double()
+    wb = linear.weight.to(torch.bfloat16).double()
+    return (xb @ wb.t() + linear.bias.double()).float()
+
+
+def test_pack_b_is_amxs_b_layout_and_reads_back():
+    n, k = 64, 96
+    w = torch.arange(n * k, dtype=torch.float32).reshape(n, k)  # exact in bf16 below 256
+    w = w % 251
+    packed = pack_b(w)
+    assert packed.shape == (n // 16, k // 2, 16, 2) and packed.dtype == torch.bfloat16
+    flat = packed.reshape(-1)
+    for kk, nn in [(0, 0), (1, 0), (0, 1), (5, 17), (95, 63), (33, 40)]:
+        at = ((nn // 16) * (k // 2) + kk // 2) * 32 + (nn % 16) * 2 + kk % 2
+        assert flat[at].item() == w[nn, kk].item()
+    torch.testing.assert_close(unpack_b(packed).float(), w.t(), rtol=0, atol=0)
+
+
+def test_fits_only_static_multiples_of_32():
+    assert fits(128, 320, 640)
+    assert not fits(154, 320, 640)  # the text's 2 x 77 tokens
+    assert not fits(128, 24, 640) and not fits(128, 320, 40)
+    assert not fits(None, 320, 640)  # a size the trace does not know
+
+
+def test_amx_linears_compute_bf16_products_and_keep_the_others():
+    torch.manual_seed(0)
+    model = Block()
+    x = torch.randn(2, 64, 64)
+    want = model(x)
+    assert set_linear_lowering(model, "amx") == 2
+    assert "forward" not in model.odd.__dict__
+    got_up = model.up(x)
+    torch.testing.assert_close(got_up, bf16_linear(model.up, x), rtol=1e-5, atol=1e-5)
+    # rows that do not fit (5 tokens) take the Linear's own forward: exactly fp32
+    x5 = torch.randn(1, 5, 64)
+    torch.testing.assert_close(
+        model.up(x5), torch.nn.functional.linear(x5, model.up.weight, model.up.bias), rtol=0, atol=0
+    )
+    rel = (model(x) - want).abs().max() / want.abs().max()
+    assert 1e-5 < rel < 2e-2  # bf16 inputs: rounded, and not far
+    assert set_linear_lowering(model, "native") == 3
+
+
+def test_exported_module_dispatches_to_the_kernel_and_matches_torch(tmp_path):
+    iree_aot = pytest.importorskip("iree.turbine.aot")
+    torch.manual_seed(1)
+    model = Block()
+    x = torch.randn(2, 64, 64)
+    set_linear_lowering(model, "amx")
+    want = model(x).detach().numpy()
+    mlir = tmp_path / "block.mlir"
+    iree_aot.export(model, args=(x,)).save_mlir(str(mlir))
+    text = mlir.read_text()
+    assert text.count("flow.dispatch @sdiree_amx_matmul_") == 2
+    assert "hal.executable.object" in text and "amx_bf16_matmul-" in text
+    vmfb = tmp_path / "block.vmfb"
+    cpu = "host" if HAS_AMX else "sapphirerapids"  # cross-compiled where this CPU lacks AMX
+    got = subprocess.run(
+        ["iree-compile", *FLAGS, f"--iree-llvmcpu-target-cpu={cpu}", str(mlir), "-o", str(vmfb)],
+        capture_output=True,
+        text=True,
+    )
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert b"sdiree_amx_bf16_matmul_workgroup" in vmfb.read_bytes()
+    if not HAS_AMX:
+        return
+    import iree.runtime as rt
+
+    config = rt.Config("local-task")
+    ctx = rt.SystemContext(config=config)
+    ctx.add_vm_module(rt.VmModule.mmap(config.vm_instance, str(vmfb)))
+    out = ctx.modules.module["main"](x.numpy()).to_host()
+    # the same bf16 products; what differs is where GELU's output is rounded to bf16
+    assert np.abs(out - want).max() / np.abs(want).max() < 2e-3
+
+
+def test_no_c_compiler_is_one_clear_error(monkeypatch, tmp_path):
+    from sdiree.compile import kernel_objects
+    from sdiree.runtime.errors import UserError
+
+    monkeypatch.setenv("SDIREE_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernel_objects, "c_compiler", lambda: None)
+    with pytest.raises(UserError, match=r"needs a C compiler .*install gcc or clang"):
+        kernel_objects.build_object("amx_bf16_matmul", ("-mamx-tile", "-mamx-bf16"))
+    assert not list(tmp_path.rglob("*.o"))
+
+
+def test_the_kernel_object_is_built_once_and_cached(monkeypatch, tmp_path):
+    from sdiree.compile import kernel_objects
+
+    monkeypatch.setenv("SDIREE_CACHE", str(tmp_path))
+    first = kernel_objects.build_object("amx_bf16_matmul", ("-mamx-tile", "-mamx-bf16"))
+    assert first.is_file() and first.read_bytes()[:4] == b"\x7fELF"
+    stamp = first.stat().st_mtime_ns
+    again = kernel_objects.build_object("amx_bf16_matmul", ("-mamx-tile", "-mamx-bf16"))
+    assert again == first and again.stat().st_mtime_ns == stamp
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temp left
