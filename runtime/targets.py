@@ -343,12 +343,14 @@ EXPORT_CHOICES = {
     "transformer": ("native", "channels_first"),  # the UNet's transformer blocks
     "winograd_output": ("batched", "interleaved"),  # a split Winograd conv's inverse transform
     "layout": ("native", "channels_last"),  # the VAE decoder's activations between its convs
+    # the kernel of the UNet's split Winograd products: iree's, or sdiree's AMX one
+    "winograd_matmul": ("iree", "amx"),
 }
 # positive integers, in submodule_export.unet only: F(4x4) from this input side; plain matmuls
 # where the input side is at most the latent's / this
 UNET_ONLY_EXPORT = ("winograd4_min_side", "plain_from_downscale")
-# choices other than "native" in submodule_export.vae_decoder only
-DECODER_ONLY_EXPORT = ("layout",)
+# choices that only one submodule takes other than their default: {choice: (submodule, default)}
+ONE_SUBMODULE_EXPORT = {"layout": ("vae_decoder", "native"), "winograd_matmul": ("unet", "iree")}
 # positive integers, any submodule: Winograd convs one matmul per tile element from this side;
 # `chunked` attention's score block budget in bytes
 SIDE_EXPORT = ("winograd_split_min_side", "attention_block_bytes")
@@ -429,11 +431,12 @@ class _Checker:
                     f"{where}.{key}",
                     f"is {value!r:.60}, not one of {', '.join(EXPORT_CHOICES[key])}",
                 )
-            elif key in DECODER_ONLY_EXPORT and value != "native" and sub != "vae_decoder":
-                self.fail(
-                    f"{where}.{key}",
-                    "applies to the vae_decoder only (submodule_export.vae_decoder)",
-                )
+            elif key in ONE_SUBMODULE_EXPORT and value != ONE_SUBMODULE_EXPORT[key][1]:
+                only = ONE_SUBMODULE_EXPORT[key][0]
+                if sub != only:
+                    self.fail(
+                        f"{where}.{key}", f"applies to the {only} only (submodule_export.{only})"
+                    )
 
     def names(self, keys, allowed, where: str, what: str) -> None:
         for k in keys:

@@ -48,7 +48,7 @@ def kernels_for(options: dict) -> dict[str, str]:
     from ..kernel_objects import source_hash
     from .amx_matmul import KERNEL
 
-    names = [KERNEL] if options.get("linear") == "amx" else []
+    names = [KERNEL] if uses_amx(options) else []
     return {name: source_hash(name) for name in names}
 
 
@@ -57,8 +57,12 @@ def ensure_kernels(options: dict) -> None:
     lost them (a cached export names them by path: compile/kernel_objects.py)."""
     from .amx_matmul import object_path
 
-    if options.get("linear") == "amx":
+    if uses_amx(options):
         object_path()
+
+
+def uses_amx(options: dict) -> bool:
+    return options.get("linear") == "amx" or options.get("winograd_matmul") == "amx"
 
 
 def scope_for(submodule: str) -> str:
@@ -137,6 +141,7 @@ def _plan_for(builder, submodule: str, model):
             plain_from_downscale=options.get("plain_from_downscale"),
             added_conditioning=added_conditioning(p),
             transformer=options.get("transformer", "native"),
+            winograd_matmul=options.get("winograd_matmul", "iree"),
         )
     for key in UNET_ONLY_EXPORT:
         if key in options:

@@ -18,6 +18,7 @@ import types
 
 import torch
 
+from .amx_matmul import register as register_amx
 from .fhwc import DERIVED_TAG as FHWC_TAG
 from .fhwc import add_fhwc_weights, conv_on_fhwc_filter
 from .im2col import conv2d_as_matmul, conv2d_as_matmul_nhwc, supported
@@ -81,10 +82,13 @@ def convs_as_matmuls(
     tiles=None,
     winograd_output: str = "batched",
     split_min_side: int | None = None,
+    winograd_matmul: str = "iree",
 ) -> int:
     """Rebind the forward of every supported Conv2d in `model` to the lowering named conv;
-    returns how many. tiles ({conv: m}) picks a Winograd conv's own tile size; winograd_output
-    and split_min_side are conv2d_winograd's."""
+    returns how many. tiles ({conv: m}) picks a Winograd conv's own tile size; winograd_output,
+    split_min_side and winograd_matmul (as its `matmul`) are conv2d_winograd's."""
+    if winograd_matmul == "amx":
+        register_amx()
     forward = LOWERINGS.get(conv)
     count = 0
     for m in model.modules():
@@ -96,7 +100,12 @@ def convs_as_matmuls(
             elif tile is None:
                 lowering = forward
             else:
-                kw = {"m": tile, "output": winograd_output, "split_min_side": split_min_side}
+                kw = {
+                    "m": tile,
+                    "output": winograd_output,
+                    "split_min_side": split_min_side,
+                    "matmul": winograd_matmul,
+                }
                 lowering = functools.partial(conv2d_winograd, **kw)
                 channels_last = functools.partial(conv2d_winograd_nhwc, **kw)
             m.forward = types.MethodType(lowering, m)
@@ -150,11 +159,12 @@ def set_conv_lowering(
     tiles: dict[torch.nn.Conv2d, int] | None = None,
     winograd_output: str = "batched",
     split_min_side: int | None = None,
+    winograd_matmul: str = "iree",
 ) -> str | None:
     """Apply the target's `export.conv` choice to every Conv2d of model, with tiles ({conv:
     m}, Winograd choices only) overriding the choice's tile per conv; winograd_output and
-    split_min_side (export choices `winograd_output`, `winograd_split_min_side`) are
-    conv2d_winograd's. Returns a tag naming the derived parameters it added (None when it added
+    split_min_side and winograd_matmul (export choices `winograd_output`,
+    `winograd_split_min_side`, `winograd_matmul`) are conv2d_winograd's. Returns a tag naming the derived parameters it added (None when it added
     none)."""
     if conv not in CONV_CHOICES:
         raise ValueError(f"export conv choice must be one of {CONV_CHOICES}, not {conv!r}")
@@ -168,7 +178,7 @@ def set_conv_lowering(
         raise ValueError(f"per-conv Winograd tiles need a Winograd conv choice, not {conv!r}")
     if conv == "native":
         return None
-    convs_as_matmuls(model, conv, tiles, winograd_output, split_min_side)
+    convs_as_matmuls(model, conv, tiles, winograd_output, split_min_side, winograd_matmul)
     if conv == "pointwise_einsum_fhwc":
         return FHWC_TAG if add_fhwc_weights(model) else None
     return derived_tag(add_winograd_weights(model, m, tiles)) if m else None

@@ -91,6 +91,7 @@ def plan_unet(
     plain_from_downscale: int | None = None,
     added_conditioning: dict[str, int] | None = None,
     transformer: str = "native",
+    winograd_matmul: str = "iree",
 ) -> ExportPlan:
     channels = unet.config.in_channels
     out_channels = unet.config.out_channels
@@ -113,7 +114,9 @@ def plan_unet(
         tiles = tiles_by_side(sides, small, large, winograd4_min_side, plain)
     set_attention(unet, attention, attention_block_bytes)
     cat_text_time_embedding(unet)
-    derived = set_conv_lowering(unet, conv, tiles, winograd_output, winograd_split_min_side)
+    derived = set_conv_lowering(
+        unet, conv, tiles, winograd_output, winograd_split_min_side, winograd_matmul
+    )
     set_transformer_layout(unet, transformer)
     group_norms_in_fp32(unet, dtype)
     share_cfg_prefix(unet, batch)  # last: it wraps the forwards rebound above

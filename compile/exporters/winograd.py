@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from sdiree.runtime.weights.winograd import WINOGRAD, WINOGRAD_PARAM
 
 from ..placeholders import is_placeholder, mark, placeholder
+from .amx_matmul import amx_matmul, fits, pack_b
 from .im2col import conv2d_as_matmul_nhwc, supported
 
 # The Winograd choices and their output tile size m of F(m x m, 3x3).
@@ -29,6 +30,7 @@ WINOGRAD_TILE = WINOGRAD_TILES["winograd"]
 # "batched" (stacked into one tensor first) or "interleaved" (F(2x2) only; faster at the UNet's
 # sizes, see _inverse_interleaved).
 WINOGRAD_OUTPUTS = ("batched", "interleaved")
+WINOGRAD_MATMULS = ("iree", "amx")  # the split products' kernel: _product
 
 
 def _combine(coeffs, terms):
@@ -71,14 +73,16 @@ def conv2d_winograd(
     m: int = WINOGRAD_TILE,
     output: str = "batched",
     split_min_side: int | None = None,
+    matmul: str = "iree",
 ):
     """A 3x3, stride 1, padding 1 convolution as Winograd F(m x m, 3x3): (m+2)^2 matmuls over
     the tiles; anything else falls back to conv2d_as_matmul. Where the input's side is at least
     split_min_side (export choice `winograd_split_min_side`) they are one matmul per tile
     element, their products transformed back as output (WINOGRAD_OUTPUTS) says; elsewhere one
-    batched matmul (see _winograd_batched)."""
+    batched matmul (see _winograd_batched). matmul (export choice `winograd_matmul`) `amx` sends
+    the split products that fit it to sdiree's AMX kernel (amx_matmul.py)."""
     xh = x.permute(0, 2, 3, 1)  # conv2d_as_matmul's own first step where Winograd does not apply
-    return conv2d_winograd_nhwc(conv, xh, m, output, split_min_side).permute(0, 3, 1, 2)
+    return conv2d_winograd_nhwc(conv, xh, m, output, split_min_side, matmul).permute(0, 3, 1, 2)
 
 
 def conv2d_winograd_nhwc(
@@ -87,6 +91,7 @@ def conv2d_winograd_nhwc(
     m: int = WINOGRAD_TILE,
     output: str = "batched",
     split_min_side: int | None = None,
+    matmul: str = "iree",
 ):
     """conv2d_winograd on a channels-last input [N, H, W, C], its output channels-last too."""
     n, h, w, c = xh.shape
@@ -99,7 +104,7 @@ def conv2d_winograd_nhwc(
     th, tw = h // m, w // m
     shape = (n, th, tw, u.shape[-1])
     if split_min_side is not None and min(h, w) >= split_min_side:
-        prods = _winograd_products(xp, u, m, th, tw)
+        prods = _winograd_products(xp, u, m, th, tw, matmul)
         if output == "interleaved" and m == 2:
             y = _inverse_interleaved(prods, m, shape)
         else:
@@ -128,7 +133,9 @@ def _winograd_batched(xp: torch.Tensor, u: torch.Tensor, m: int, th: int, tw: in
     return torch.bmm(v.reshape(t * t, n * th * tw, c), u)
 
 
-def _winograd_products(xp: torch.Tensor, u: torch.Tensor, m: int, th: int, tw: int) -> list:
+def _winograd_products(
+    xp: torch.Tensor, u: torch.Tensor, m: int, th: int, tw: int, matmul: str = "iree"
+) -> list:
     """M_rs = V_rs @ U_rs for every tile element (r, s), r-major: [N·th·tw, O] each, where
     V_rs = (B^T d B)_rs of every tile d of the padded channels-last input xp. Each V_rs is an
     elementwise op on strided slices of one row transform, which iree fuses into the packing
@@ -146,8 +153,17 @@ def _winograd_products(xp: torch.Tensor, u: torch.Tensor, m: int, th: int, tw: i
         cols = [bd[:, :, j : j + m * tw : m] for j in range(t)]
         for s in range(t):
             v = _combine(bt[s], cols)
-            prods.append(torch.mm(v.reshape(n * th * tw, c), u[r * t + s]))
+            prods.append(_product(v.reshape(n * th * tw, c), u[r * t + s], matmul))
     return prods
+
+
+def _product(v: torch.Tensor, u: torch.Tensor, matmul: str) -> torch.Tensor:
+    """V_rs @ U_rs ([M, C] @ [C, O]); under `amx`, on sdiree's AMX kernel where it fits (bf16
+    operands, U_rs packed for the kernel: a constant expression of the transformed weight, which
+    the parameter encoder computes at compile)."""
+    if matmul == "amx" and fits(v.shape[0], u.shape[1], u.shape[0]):
+        return amx_matmul(v.to(torch.bfloat16), pack_b(u.t()))
+    return torch.mm(v, u)
 
 
 def _inverse_interleaved(prods: list, m: int, shape: tuple) -> torch.Tensor:
