@@ -343,14 +343,15 @@ EXPORT_CHOICES = {
     "transformer": ("native", "channels_first"),  # the UNet's transformer blocks
     "winograd_output": ("batched", "interleaved"),  # a split Winograd conv's inverse transform
     "layout": ("native", "channels_last"),  # the VAE decoder's activations between its convs
-    # the kernel of the UNet's split Winograd products: iree's, or sdiree's AMX one
-    "winograd_matmul": ("iree", "amx"),
+    # the kernel of the split Winograd products and `chunked` attention's matmuls: iree's, or
+    # sdiree's AMX one (compile/exporters/amx_matmul.py)
+    "matmul_kernel": ("iree", "amx"),
 }
 # positive integers, in submodule_export.unet only: F(4x4) from this input side; plain matmuls
 # where the input side is at most the latent's / this
 UNET_ONLY_EXPORT = ("winograd4_min_side", "plain_from_downscale")
 # choices that only one submodule takes other than their default: {choice: (submodule, default)}
-ONE_SUBMODULE_EXPORT = {"layout": ("vae_decoder", "native"), "winograd_matmul": ("unet", "iree")}
+ONE_SUBMODULE_EXPORT = {"layout": ("vae_decoder", "native")}
 # positive integers, any submodule: Winograd convs one matmul per tile element from this side;
 # `chunked` attention's score block budget in bytes
 SIDE_EXPORT = ("winograd_split_min_side", "attention_block_bytes")

@@ -62,7 +62,7 @@ def ensure_kernels(options: dict) -> None:
 
 
 def uses_amx(options: dict) -> bool:
-    return options.get("linear") == "amx" or options.get("winograd_matmul") == "amx"
+    return options.get("linear") == "amx" or options.get("matmul_kernel") == "amx"
 
 
 def scope_for(submodule: str) -> str:
@@ -109,6 +109,7 @@ def _plan_for(builder, submodule: str, model):
         "winograd_output": options.get("winograd_output", "batched"),
         "winograd_split_min_side": options.get("winograd_split_min_side"),
         "attention_block_bytes": options.get("attention_block_bytes"),
+        "matmul_kernel": options.get("matmul_kernel", "iree"),
     }
     encoders = {te["submodule"]: te for te in p.family.text_encoders}
     max_length = p.configs[p.family.text_encoders[0]["submodule"]].get(
@@ -141,7 +142,6 @@ def _plan_for(builder, submodule: str, model):
             plain_from_downscale=options.get("plain_from_downscale"),
             added_conditioning=added_conditioning(p),
             transformer=options.get("transformer", "native"),
-            winograd_matmul=options.get("winograd_matmul", "iree"),
         )
     for key in UNET_ONLY_EXPORT:
         if key in options:

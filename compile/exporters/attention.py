@@ -35,6 +35,9 @@ from __future__ import annotations
 
 import torch
 
+from .amx_matmul import MULTIPLE, amx_matmul, fits, pack_b
+from .amx_matmul import register as register_amx
+
 # Largest score block (one head's queries x keys, in bytes of the score dtype) a chunk may hold,
 # unless the export choice `attention_block_bytes` says otherwise. 16 MiB measured best on a Zen
 # 8 MiB-L3 CPU (4-16 MiB all within noise; one 1 GB block 1.2x slower); the cpu preset asks 4 MiB,
@@ -59,25 +62,45 @@ def chunked_attention(
     scale: float,
     mask: torch.Tensor | None = None,
     budget: int = SCORE_BLOCK_BYTES,
+    matmul: str = "iree",
 ) -> torch.Tensor:
-    """softmax(query @ key^T * scale + mask) @ value on [batch*heads, tokens, dim] tensors."""
+    """softmax(query @ key^T * scale + mask) @ value on [batch*heads, tokens, dim] tensors.
+    matmul (export choice `matmul_kernel`) `amx`: both matmuls on sdiree's AMX kernel where the
+    token counts fit it (amx_scores)."""
     bh, nq, d = query.shape
     qc = query_block(nq, key.shape[1], query.element_size(), budget)
     query = query * scale
     value1 = torch.cat([value, torch.ones_like(value[..., :1])], dim=-1)
+    amx = matmul == "amx" and fits(qc, key.shape[1], MULTIPLE) and query.dtype == torch.float32
+    if amx:
+        query, key, value1 = amx_operands(query, key, value1)
     heads = []
     for h in range(bh):
-        k_t = key[h].t()
+        k_t = key[h].t() if not amx else pack_b(key[h])
+        v_h = value1[h] if not amx else pack_b(value1[h].t())
         rows = []
         for i in range(0, nq, qc):
-            s = torch.mm(query[h, i : i + qc], k_t)
+            q = query[h, i : i + qc]
+            s = torch.mm(q, k_t) if not amx else amx_matmul(q, k_t)
             if mask is not None:  # [batch*heads, 1 or queries, keys]
                 s = s + (mask[h] if mask.shape[1] == 1 else mask[h, i : i + qc])
             e = torch.exp(s - s.amax(dim=-1, keepdim=True))
-            r = torch.mm(e, value1[h])
-            rows.append(r[:, :d] / r[:, d:])
+            r = torch.mm(e, v_h) if not amx else amx_matmul(e.to(torch.bfloat16), v_h)
+            rows.append(r[:, :d] / r[:, d : d + 1])
         heads.append(torch.cat(rows) if len(rows) > 1 else rows[0])
     return torch.stack(heads)
+
+
+def amx_operands(query, key, value1):
+    """query, key and [value | 1] for the AMX kernel: bf16, their last dim zero-padded to a
+    multiple of 32 (SD 1.5's heads: 40 -> 64, 80 -> 96, 160; zeros add nothing to a score, and
+    the padded output columns are dropped)."""
+    d, dv = query.shape[-1], value1.shape[-1]
+    pad, pad_v = -d % MULTIPLE, -dv % MULTIPLE
+    query = torch.nn.functional.pad(query, (0, pad)).to(torch.bfloat16)
+    key = torch.nn.functional.pad(key, (0, pad))
+    value1 = torch.nn.functional.pad(value1, (0, pad_v))
+    return query, key, value1
 
 
 class ChunkedAttnProcessor:
@@ -127,11 +150,12 @@ class ChunkedAttnProcessor:
             hidden_states = hidden_states + residual
         return hidden_states / attn.rescale_output_factor
 
-    def __init__(self, block_bytes: int | None = None):
+    def __init__(self, block_bytes: int | None = None, matmul: str = "iree"):
         self.block_bytes = block_bytes or SCORE_BLOCK_BYTES
+        self.matmul = matmul
 
     def attend(self, query, key, value, scale, mask):
-        return chunked_attention(query, key, value, scale, mask, self.block_bytes)
+        return chunked_attention(query, key, value, scale, mask, self.block_bytes, self.matmul)
 
 
 def fused_attention(query, key, value, scale, mask):
@@ -191,10 +215,16 @@ class Pow2KeysSdpaProcessor(Pow2SdpaProcessor):
     pad_keys = True
 
 
-def set_attention(model: torch.nn.Module, attention: str, block_bytes: int | None = None) -> None:
+def set_attention(
+    model: torch.nn.Module,
+    attention: str,
+    block_bytes: int | None = None,
+    matmul: str = "iree",
+) -> None:
     """Give every attention layer of a diffusers model the processor for an export choice
     (under `sdpa`, layers that ask for attention upcast get UpcastSdpaProcessor); block_bytes:
-    `chunked`'s score block budget (export choice `attention_block_bytes`)."""
+    `chunked`'s score block budget (export choice `attention_block_bytes`), matmul its matmuls'
+    kernel (export choice `matmul_kernel`)."""
     from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
     processors = {
@@ -209,7 +239,9 @@ def set_attention(model: torch.nn.Module, attention: str, block_bytes: int | Non
     processor = processors[attention]
     # diffusers' own processors take no arguments; ours take the chunked block budget
     ours = issubclass(processor, ChunkedAttnProcessor)
-    model.set_attn_processor(processor(block_bytes) if ours else processor())
+    if matmul == "amx":
+        register_amx()
+    model.set_attn_processor(processor(block_bytes, matmul) if ours else processor())
     if attention == "sdpa":
         from diffusers.models.attention_processor import Attention
 

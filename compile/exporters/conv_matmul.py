@@ -82,12 +82,12 @@ def convs_as_matmuls(
     tiles=None,
     winograd_output: str = "batched",
     split_min_side: int | None = None,
-    winograd_matmul: str = "iree",
+    matmul_kernel: str = "iree",
 ) -> int:
     """Rebind the forward of every supported Conv2d in `model` to the lowering named conv;
     returns how many. tiles ({conv: m}) picks a Winograd conv's own tile size; winograd_output,
-    split_min_side and winograd_matmul (as its `matmul`) are conv2d_winograd's."""
-    if winograd_matmul == "amx":
+    split_min_side and matmul_kernel (as its `matmul`) are conv2d_winograd's."""
+    if matmul_kernel == "amx":
         register_amx()
     forward = LOWERINGS.get(conv)
     count = 0
@@ -104,7 +104,7 @@ def convs_as_matmuls(
                     "m": tile,
                     "output": winograd_output,
                     "split_min_side": split_min_side,
-                    "matmul": winograd_matmul,
+                    "matmul": matmul_kernel,
                 }
                 lowering = functools.partial(conv2d_winograd, **kw)
                 channels_last = functools.partial(conv2d_winograd_nhwc, **kw)
@@ -159,12 +159,12 @@ def set_conv_lowering(
     tiles: dict[torch.nn.Conv2d, int] | None = None,
     winograd_output: str = "batched",
     split_min_side: int | None = None,
-    winograd_matmul: str = "iree",
+    matmul_kernel: str = "iree",
 ) -> str | None:
     """Apply the target's `export.conv` choice to every Conv2d of model, with tiles ({conv:
     m}, Winograd choices only) overriding the choice's tile per conv; winograd_output and
-    split_min_side and winograd_matmul (export choices `winograd_output`,
-    `winograd_split_min_side`, `winograd_matmul`) are conv2d_winograd's. Returns a tag naming the derived parameters it added (None when it added
+    split_min_side and matmul_kernel (export choices `winograd_output`,
+    `winograd_split_min_side`, `matmul_kernel`) are conv2d_winograd's. Returns a tag naming the derived parameters it added (None when it added
     none)."""
     if conv not in CONV_CHOICES:
         raise ValueError(f"export conv choice must be one of {CONV_CHOICES}, not {conv!r}")
@@ -178,7 +178,7 @@ def set_conv_lowering(
         raise ValueError(f"per-conv Winograd tiles need a Winograd conv choice, not {conv!r}")
     if conv == "native":
         return None
-    convs_as_matmuls(model, conv, tiles, winograd_output, split_min_side, winograd_matmul)
+    convs_as_matmuls(model, conv, tiles, winograd_output, split_min_side, matmul_kernel)
     if conv == "pointwise_einsum_fhwc":
         return FHWC_TAG if add_fhwc_weights(model) else None
     return derived_tag(add_winograd_weights(model, m, tiles)) if m else None

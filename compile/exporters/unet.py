@@ -91,7 +91,7 @@ def plan_unet(
     plain_from_downscale: int | None = None,
     added_conditioning: dict[str, int] | None = None,
     transformer: str = "native",
-    winograd_matmul: str = "iree",
+    matmul_kernel: str = "iree",
 ) -> ExportPlan:
     channels = unet.config.in_channels
     out_channels = unet.config.out_channels
@@ -112,10 +112,10 @@ def plan_unet(
         small, large = WINOGRAD_TILES.get(conv, 0), WINOGRAD_TILES["winograd4"]
         plain = min(h, w) // plain_from_downscale if plain_from_downscale else 0
         tiles = tiles_by_side(sides, small, large, winograd4_min_side, plain)
-    set_attention(unet, attention, attention_block_bytes)
+    set_attention(unet, attention, attention_block_bytes, matmul_kernel)
     cat_text_time_embedding(unet)
     derived = set_conv_lowering(
-        unet, conv, tiles, winograd_output, winograd_split_min_side, winograd_matmul
+        unet, conv, tiles, winograd_output, winograd_split_min_side, matmul_kernel
     )
     set_transformer_layout(unet, transformer)
     group_norms_in_fp32(unet, dtype)

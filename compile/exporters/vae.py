@@ -56,7 +56,8 @@ class VaeEncodeEntry(torch.nn.Module):
 
 def _plan(
     vae, *, submodule, entry_cls, fname, in_name, out_names, batch, image_hw, dtype, attention, conv,
-    winograd_output, winograd_split_min_side, attention_block_bytes, layout="native"
+    winograd_output, winograd_split_min_side, attention_block_bytes, layout="native",
+    matmul_kernel="iree",
 ):  # fmt: skip
     from .vae_channels_last import LAYOUTS, unsupported
 
@@ -67,10 +68,11 @@ def _plan(
         if why:
             raise ValueError(f"export layout channels_last: this VAE's decoder cannot: {why}")
         entry_cls = VaeDecodeChannelsLast
-    set_attention(vae, attention, attention_block_bytes)
+    set_attention(vae, attention, attention_block_bytes, matmul_kernel)
     derived = set_conv_lowering(
-        vae, conv, winograd_output=winograd_output, split_min_side=winograd_split_min_side
-    )
+        vae, conv, winograd_output=winograd_output, split_min_side=winograd_split_min_side,
+        matmul_kernel=matmul_kernel,
+    )  # fmt: skip
     group_norms_in_fp32(vae, dtype)
     vae = vae.to(dtype).eval()
     dt = NUMPY_DTYPE_NAMES[dtype]
@@ -105,24 +107,25 @@ def _plan(
 def plan_vae_decoder(
     vae, *, batch, image_hw, dtype, attention, conv="native", winograd_output="batched",
     winograd_split_min_side=None, attention_block_bytes=None, layout="native",
+    matmul_kernel="iree",
 ) -> ExportPlan:  # fmt: skip
     return _plan(
         vae, submodule="vae_decoder", entry_cls=VaeDecodeEntry, fname="decode",
         in_name="latents", out_names=("image",),
         batch=batch, image_hw=image_hw, dtype=dtype, attention=attention, conv=conv,
         winograd_output=winograd_output, winograd_split_min_side=winograd_split_min_side,
-        attention_block_bytes=attention_block_bytes, layout=layout,
+        attention_block_bytes=attention_block_bytes, layout=layout, matmul_kernel=matmul_kernel,
     )  # fmt: skip
 
 
 def plan_vae_encoder(
     vae, *, batch, image_hw, dtype, attention, conv="native", winograd_output="batched",
-    winograd_split_min_side=None, attention_block_bytes=None,
+    winograd_split_min_side=None, attention_block_bytes=None, matmul_kernel="iree",
 ) -> ExportPlan:  # fmt: skip
     return _plan(
         vae, submodule="vae_encoder", entry_cls=VaeEncodeEntry, fname="encode",
         in_name="image", out_names=("latent_mean", "latent_std"),
         batch=batch, image_hw=image_hw, dtype=dtype, attention=attention, conv=conv,
         winograd_output=winograd_output, winograd_split_min_side=winograd_split_min_side,
-        attention_block_bytes=attention_block_bytes,
+        attention_block_bytes=attention_block_bytes, matmul_kernel=matmul_kernel,
     )  # fmt: skip

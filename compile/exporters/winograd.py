@@ -30,7 +30,7 @@ WINOGRAD_TILE = WINOGRAD_TILES["winograd"]
 # "batched" (stacked into one tensor first) or "interleaved" (F(2x2) only; faster at the UNet's
 # sizes, see _inverse_interleaved).
 WINOGRAD_OUTPUTS = ("batched", "interleaved")
-WINOGRAD_MATMULS = ("iree", "amx")  # the split products' kernel: _product
+MATMUL_KERNELS = ("iree", "amx")  # the split products' kernel: _product
 
 
 def _combine(coeffs, terms):
@@ -79,7 +79,7 @@ def conv2d_winograd(
     the tiles; anything else falls back to conv2d_as_matmul. Where the input's side is at least
     split_min_side (export choice `winograd_split_min_side`) they are one matmul per tile
     element, their products transformed back as output (WINOGRAD_OUTPUTS) says; elsewhere one
-    batched matmul (see _winograd_batched). matmul (export choice `winograd_matmul`) `amx` sends
+    batched matmul (see _winograd_batched). matmul (export choice `matmul_kernel`) `amx` sends
     the split products that fit it to sdiree's AMX kernel (amx_matmul.py)."""
     xh = x.permute(0, 2, 3, 1)  # conv2d_as_matmul's own first step where Winograd does not apply
     return conv2d_winograd_nhwc(conv, xh, m, output, split_min_side, matmul).permute(0, 3, 1, 2)

@@ -132,9 +132,9 @@ CASES = {
         _cpu(lambda t: t["export"].__setitem__("layout", "channels_last")),
         "targets.cpu.export.layout applies to the vae_decoder only",
     ),
-    "unet-only-winograd-matmul-for-the-vae": (
-        _cpu(lambda t: t["submodule_export"]["vae_decoder"].__setitem__("winograd_matmul", "amx")),
-        "targets.cpu.submodule_export.vae_decoder.winograd_matmul applies to the unet only",
+    "unknown-matmul-kernel": (
+        _cpu(lambda t: t["submodule_export"]["unet"].__setitem__("matmul_kernel", "amx2")),
+        "targets.cpu.submodule_export.unet.matmul_kernel is 'amx2', not one of iree, amx",
     ),
     "unknown-layout": (
         _cpu(lambda t: t["submodule_export"]["vae_decoder"].__setitem__("layout", "nhwc")),
@@ -240,11 +240,11 @@ def test_export_choices_match_the_exporters():
     from sdiree.compile.exporters.conv_matmul import CONV_CHOICES
     from sdiree.compile.exporters.linear_flat import LINEAR_CHOICES
     from sdiree.compile.exporters.vae_channels_last import LAYOUTS
-    from sdiree.compile.exporters.winograd import WINOGRAD_MATMULS, WINOGRAD_OUTPUTS
+    from sdiree.compile.exporters.winograd import MATMUL_KERNELS, WINOGRAD_OUTPUTS
     from sdiree.runtime.targets import EXPORT_CHOICES
 
     assert EXPORT_CHOICES == {
         "attention": ATTENTIONS, "conv": CONV_CHOICES, "linear": LINEAR_CHOICES,
         "transformer": TRANSFORMER_CHOICES, "winograd_output": WINOGRAD_OUTPUTS,
-        "layout": LAYOUTS, "winograd_matmul": WINOGRAD_MATMULS,
+        "layout": LAYOUTS, "matmul_kernel": MATMUL_KERNELS,
     }  # fmt: skip

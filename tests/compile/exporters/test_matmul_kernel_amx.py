@@ -1,7 +1,8 @@
-"""`winograd_matmul: "amx"` (compile/exporters/winograd.py `_product`): a split Winograd conv's
-products that fit sdiree's AMX kernel take it, with bf16 operands (the transformed weight's
-slices packed for the kernel); the conv stays the convolution within bf16's rounding, and where
-this CPU has AMX the compiled module gives the eager result."""
+"""`matmul_kernel: "amx"`: a split Winograd conv's products (compile/exporters/winograd.py
+`_product`) and `chunked` attention's two matmuls (attention.py) that fit sdiree's AMX kernel
+take it, with bf16 operands (the transformed weight's slices, keys and values packed for the
+kernel); each stays its computation within bf16's rounding, what does not fit keeps iree's
+matmul, and where this CPU has AMX the compiled module gives the eager result."""
 
 from __future__ import annotations
 
@@ -82,3 +83,40 @@ def test_exported_split_conv_dispatches_its_products_to_the_kernel(tmp_path):
     ctx.add_vm_module(rt.VmModule.mmap(config.vm_instance, str(vmfb)))
     out = ctx.modules.module["main"](x.numpy()).to_host()
     assert np.abs(out - want).max() / np.abs(want).max() < 2e-3
+
+
+def test_amx_attention_is_attention_in_bf16_and_odd_key_counts_keep_iree():
+    from sdiree.compile.exporters.amx_matmul import register
+    from sdiree.compile.exporters.attention import chunked_attention
+
+    register()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 256, 40) for _ in range(3))
+    want = torch.softmax(q.double() @ k.double().transpose(1, 2) * 40**-0.5, -1) @ v.double()
+    plain = chunked_attention(q, k, v, 40**-0.5, None, 1 << 18, "iree")
+    amx = chunked_attention(q, k, v, 40**-0.5, None, 1 << 18, "amx")
+    assert ((plain - want).abs().max() / want.abs().max()).item() < 1e-5
+    assert 1e-4 < ((amx - want).abs().max() / want.abs().max()).item() < 2e-2
+    k77, v77 = torch.randn(2, 77, 40), torch.randn(2, 77, 40)  # the text's 77 keys
+    assert torch.equal(
+        chunked_attention(q, k77, v77, 0.1, None, 1 << 18, "amx"),
+        chunked_attention(q, k77, v77, 0.1, None, 1 << 18, "iree"),
+    )
+
+
+def test_exported_attention_dispatches_both_matmuls_to_the_kernel(tmp_path):
+    iree_aot = pytest.importorskip("iree.turbine.aot")
+    from sdiree.compile.exporters.amx_matmul import register
+    from sdiree.compile.exporters.attention import chunked_attention
+
+    register()
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return chunked_attention(q, k, v, 40**-0.5, None, 1 << 18, "amx")
+
+    q, k, v = (torch.randn(2, 256, 40) for _ in range(3))
+    text = str(iree_aot.export(Attend(), args=(q, k, v)).mlir_module)
+    # 2 heads x 1 query block (256 x 256 fp32 scores fit 256 KiB): QK^T 256x64x256, P.V 256x256x64
+    assert text.count("util.call @sdiree_amx_matmul_256x64x256(") == 2
+    assert text.count("util.call @sdiree_amx_matmul_256x256x64(") == 2
