@@ -9,13 +9,38 @@ import numpy as np
 DATA_TILING = ("--iree-opt-data-tiling", "--iree-llvmcpu-enable-ukernels=all")
 
 
-def run_main(mlir: str, *inputs: np.ndarray, flags: tuple[str, ...] = ()) -> np.ndarray:
-    import iree.runtime as rt
+def run_main(
+    mlir: str, *inputs: np.ndarray, flags: tuple[str, ...] = (), cpu: str = "host"
+) -> np.ndarray:
+    return call_main(compile_main(mlir, flags, cpu), *inputs)
+
+
+def compile_main(mlir: str, flags: tuple[str, ...] = (), cpu: str = "host") -> bytes:
     from iree.compiler import compile_str
 
-    vmfb = compile_str(
-        mlir, target_backends=["llvm-cpu"], extra_args=["--iree-llvmcpu-target-cpu=host", *flags]
-    )
+    extra = [f"--iree-llvmcpu-target-cpu={cpu}", *flags]
+    return compile_str(mlir, target_backends=["llvm-cpu"], extra_args=extra)
+
+
+def host_has_amx() -> bool:
+    from sdiree.runtime.cpu_features import host_cpu_features
+
+    return {"amx_tile", "amx_bf16"} <= host_cpu_features()
+
+
+def run_amx_main(mlir: str, *inputs: np.ndarray) -> np.ndarray | None:
+    """Compile a module that links sdiree's AMX kernel (compile/exporters/amx_matmul.py) and
+    call its main where this CPU has AMX; elsewhere cross-compile it for an AMX CPU (the kernel
+    must link) and return None."""
+    cpu = "host" if host_has_amx() else "sapphirerapids"
+    vmfb = compile_main(mlir, DATA_TILING, cpu)
+    assert b"sdiree_amx_bf16_matmul_workgroup" in vmfb
+    return call_main(vmfb, *inputs) if host_has_amx() else None
+
+
+def call_main(vmfb: bytes, *inputs: np.ndarray) -> np.ndarray:
+    import iree.runtime as rt
+
     config = rt.Config("local-task")
     ctx = rt.SystemContext(config=config)
     ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))

@@ -6,24 +6,15 @@ module's results are the eager op's."""
 
 from __future__ import annotations
 
-import subprocess
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from llvm_cpu import run_amx_main  # noqa: E402
+
 from sdiree.compile.exporters.amx_matmul import fits, pack_b, unpack_b  # noqa: E402
 from sdiree.compile.exporters.linear_flat import set_linear_lowering  # noqa: E402
-from sdiree.runtime.cpu_features import host_cpu_features  # noqa: E402
-
-HAS_AMX = {"amx_tile", "amx_bf16"} <= host_cpu_features()
-FLAGS = [
-    "--iree-hal-target-device=local",
-    "--iree-hal-local-target-device-backends=llvm-cpu",
-    "--iree-opt-data-tiling",
-    "--iree-llvmcpu-enable-ukernels=all",
-]
 
 
 class Block(torch.nn.Module):
@@ -83,36 +74,20 @@ def test_amx_linears_compute_bf16_products_and_keep_the_others():
     assert set_linear_lowering(model, "native") == 3
 
 
-def test_exported_module_dispatches_to_the_kernel_and_matches_torch(tmp_path):
+def test_exported_module_dispatches_to_the_kernel_and_matches_torch():
     iree_aot = pytest.importorskip("iree.turbine.aot")
     torch.manual_seed(1)
     model = Block()
     x = torch.randn(2, 64, 64)
     set_linear_lowering(model, "amx")
     want = model(x).detach().numpy()
-    mlir = tmp_path / "block.mlir"
-    iree_aot.export(model, args=(x,)).save_mlir(str(mlir))
-    text = mlir.read_text()
+    text = str(iree_aot.export(model, args=(x,)).mlir_module)
     assert text.count("flow.dispatch @sdiree_amx_matmul_") == 2  # one function per shape
     assert text.count("util.call @sdiree_amx_matmul_") == 2
     assert "hal.executable.object" in text and "amx_bf16_matmul-" in text
-    vmfb = tmp_path / "block.vmfb"
-    cpu = "host" if HAS_AMX else "sapphirerapids"  # cross-compiled where this CPU lacks AMX
-    got = subprocess.run(
-        ["iree-compile", *FLAGS, f"--iree-llvmcpu-target-cpu={cpu}", str(mlir), "-o", str(vmfb)],
-        capture_output=True,
-        text=True,
-    )
-    assert got.returncode == 0, got.stderr[-2000:]
-    assert b"sdiree_amx_bf16_matmul_workgroup" in vmfb.read_bytes()
-    if not HAS_AMX:
+    out = run_amx_main(text, x.numpy())
+    if out is None:  # this CPU lacks AMX: cross-compiled only
         return
-    import iree.runtime as rt
-
-    config = rt.Config("local-task")
-    ctx = rt.SystemContext(config=config)
-    ctx.add_vm_module(rt.VmModule.mmap(config.vm_instance, str(vmfb)))
-    out = ctx.modules.module["main"](x.numpy()).to_host()
     # the same bf16 products; what differs is where GELU's output is rounded to bf16
     assert np.abs(out - want).max() / np.abs(want).max() < 2e-3
 
