@@ -333,12 +333,17 @@ def test_compile_says_a_dtypes_note_for_a_feature_the_cpu_has(
     [(("amx_tile", "amx_bf16"), "bf16", True), ((), "bf16", False), (("amx_bf16",), "fp32", False)],
 )
 def test_bf16_unets_linears_take_the_amx_kernel_on_an_amx_cpu(tmp_path, features, dtype, amx):
-    """cpu bf16 on a CPU with AMX (`if_cpu_has.amx_bf16`): the UNet's linears go to sdiree's AMX
-    kernel (compile/exporters/linear_amx.py); the other submodules, fp32 and CPUs without AMX
-    keep iree's own."""
+    """cpu bf16 on a CPU with AMX (`if_cpu_has.amx_bf16`): the UNet's linears, and the UNet's
+    and the VAE's split Winograd products and attention matmuls, go to sdiree's AMX kernel
+    (compile/exporters/linear_amx.py, amx_matmul.py); the text encoder, fp32 and CPUs without
+    AMX keep iree's own."""
     from sdiree.runtime.targets import load_registry
 
     cpu = load_registry(_probe_registry(tmp_path, features)).targets["cpu"]
-    assert (cpu.export_for("unet", dtype, "probe").get("linear") == "amx") == amx
+    unet = cpu.export_for("unet", dtype, "probe")
+    assert (unet.get("linear") == "amx") == amx
+    for sub in ("unet", "vae_decoder", "vae_encoder"):
+        assert (cpu.export_for(sub, dtype, "probe").get("matmul_kernel") == "amx") == amx
     for sub in ("text_encoder", "vae_decoder", "vae_encoder"):
         assert cpu.export_for(sub, dtype, "probe").get("linear") != "amx"
+    assert "matmul_kernel" not in cpu.export_for("text_encoder", dtype, "probe")
