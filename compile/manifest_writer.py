@@ -13,7 +13,7 @@ from sdiree.runtime.families import load_families
 from sdiree.runtime.fileutil import sha256_file
 from sdiree.runtime.manifest import SCHEMA_VERSION
 
-from .exporters import scope_for
+from .exporters import cpu_requires, scope_for
 
 
 def _rel(path: Path, root: Path) -> str:
@@ -158,6 +158,12 @@ def build_manifest(builder, results: dict, signatures: dict, runtime_files: dict
             "arch_cpu_emulated": arch.cpu_emulated,
             # what a device must offer to run these modules (the runtime checks it)
             **({"device_requires": arch.device} if arch.device else {}),
+            # CPU features the linked kernels execute (sdiree's AMX kernel; the runtime checks)
+            **(
+                {"cpu_requires": needs}
+                if (needs := cpu_requires(builder.export_options(sub) for sub in plan.submodules))
+                else {}
+            ),
             "driver": plan.target.driver,
             "export": dict(plan.target.export),
         },

@@ -60,8 +60,24 @@ def _check_properties(manifest: Manifest, device: DeviceInfo) -> None:
     )
 
 
+def _check_cpu(manifest: Manifest) -> None:
+    """Raise if this CPU lacks features the artifact's linked kernels execute (sdiree's AMX
+    kernel: without AMX the process dies of an illegal instruction)."""
+    from .cpu_features import host_cpu_features
+
+    missing = sorted(set(manifest.data["target"].get("cpu_requires", ())) - host_cpu_features())
+    if missing:
+        raise UserError(
+            f"this artifact's modules run matmuls on a kernel that needs {', '.join(missing)}, "
+            "which this CPU lacks (it was compiled on another CPU); compile the model on this "
+            "machine, or pass --force-device to try anyway (it will crash)"
+        )
+
+
 def check_arch(manifest: Manifest, device: DeviceInfo) -> str | None:
     """Raise if the artifact's arch cannot run correctly on device; return a warning or None."""
+    if device.driver in CPU_DRIVERS:
+        _check_cpu(manifest)
     if device.driver != "vulkan":
         return None
     _check_properties(manifest, device)

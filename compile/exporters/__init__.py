@@ -65,6 +65,16 @@ def uses_amx(options: dict) -> bool:
     return options.get("linear") == "amx" or options.get("matmul_kernel") == "amx"
 
 
+# the CPU features sdiree's AMX kernel executes (the manifest's `cpu_requires`)
+AMX_FEATURES = ("amx_bf16", "amx_tile")
+
+
+def cpu_requires(options_by_submodule) -> list[str]:
+    """The CPU features the modules of an export need beyond what iree's own code checks: those
+    of the hand-written kernels they link."""
+    return list(AMX_FEATURES) if any(uses_amx(o) for o in options_by_submodule) else []
+
+
 def scope_for(submodule: str) -> str:
     return SCOPES[submodule]
 

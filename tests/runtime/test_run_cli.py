@@ -232,6 +232,30 @@ def test_arch_needs_what_the_device_lacks_refused(art_copy, tmp_path):
     assert not out.exists()
 
 
+def test_cpu_features_the_kernels_need_are_checked(art_copy, tmp_path):
+    """The manifest's cpu_requires (sdiree's AMX kernel's features, when an export links it)
+    against this CPU: one clear line where it lacks one, no image."""
+    art = art_copy("cpu", "host", "fp32")
+    m = json.loads((art / "manifest.json").read_text())
+    m["target"]["cpu_requires"] = ["amx_bf16", "no_such_feature"]
+    (art / "manifest.json").write_text(json.dumps(m))
+    out = tmp_path / "o.png"
+    proc = sdiree("run", art, "--prompt", "a", "-o", out)
+    assert_clean_failure(proc, "needs ")
+    assert "no_such_feature" in proc.stderr and "compile the model on this machine" in proc.stderr
+    assert not out.exists()
+
+
+def test_an_amx_artifact_says_what_it_needs(compiled):
+    """A host bf16 artifact lists the AMX features where its export links the AMX kernel."""
+    from sdiree.runtime.cpu_features import host_cpu_features
+
+    m = json.loads((compiled.get("cpu", "host", "bf16") / "manifest.json").read_text())
+    amx = {"amx_bf16", "amx_tile"} <= host_cpu_features()
+    assert m["target"].get("cpu_requires") == (["amx_bf16", "amx_tile"] if amx else None)
+    assert (m["submodules"]["unet"]["export"].get("linear") == "amx") == amx
+
+
 def test_cpu_artifact_refuses_vulkan_device(cpu_art, tmp_path):
     proc = sdiree("run", cpu_art, "--prompt", "a", "--device", "vulkan", "-o", tmp_path / "o.png")
     assert_clean_failure(proc, "compiled for cpu")
