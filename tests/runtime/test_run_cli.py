@@ -216,17 +216,23 @@ def test_arch_device_mismatch_refused(art_copy, tmp_path):
     assert not out.exists()
 
 
+def _run_with_target(art, target: dict, tmp_path):
+    """`sdiree run` on art with its manifest's target fields updated from target."""
+    m = json.loads((art / "manifest.json").read_text())
+    m["target"].update(target)
+    (art / "manifest.json").write_text(json.dumps(m))
+    out = tmp_path / "o.png"
+    return sdiree("run", art, "--prompt", "a", "-o", out), out
+
+
 def test_arch_needs_what_the_device_lacks_refused(art_copy, tmp_path):
     """The manifest's device_requires (the rdna3 preset's) against what lavapipe reports."""
     from sdiree.runtime.targets import load_registry
 
-    art = art_copy("vulkan-spirv", "lavapipe", "fp32")
-    m = json.loads((art / "manifest.json").read_text())
     rdna3 = load_registry().target("vulkan-spirv").arch("rdna3")
-    m["target"].update(arch="rdna3", device_requires=rdna3.device)  # arch_cpu_emulated kept
-    (art / "manifest.json").write_text(json.dumps(m))
-    out = tmp_path / "o.png"
-    proc = sdiree("run", art, "--prompt", "a", "-o", out)
+    # arch_cpu_emulated kept
+    target = {"arch": "rdna3", "device_requires": rdna3.device}
+    proc, out = _run_with_target(art_copy("vulkan-spirv", "lavapipe", "fp32"), target, tmp_path)
     assert_clean_failure(proc, "cooperative matrices")
     assert "subgroup size 32 and 64" in proc.stderr and "--arch lavapipe" in proc.stderr
     assert not out.exists()
@@ -235,12 +241,8 @@ def test_arch_needs_what_the_device_lacks_refused(art_copy, tmp_path):
 def test_cpu_features_the_kernels_need_are_checked(art_copy, tmp_path):
     """The manifest's cpu_requires (sdiree's AMX kernel's features, when an export links it)
     against this CPU: one clear line where it lacks one, no image."""
-    art = art_copy("cpu", "host", "fp32")
-    m = json.loads((art / "manifest.json").read_text())
-    m["target"]["cpu_requires"] = ["amx_bf16", "no_such_feature"]
-    (art / "manifest.json").write_text(json.dumps(m))
-    out = tmp_path / "o.png"
-    proc = sdiree("run", art, "--prompt", "a", "-o", out)
+    target = {"cpu_requires": ["amx_bf16", "no_such_feature"]}
+    proc, out = _run_with_target(art_copy("cpu", "host", "fp32"), target, tmp_path)
     assert_clean_failure(proc, "needs ")
     assert "no_such_feature" in proc.stderr and "compile the model on this machine" in proc.stderr
     assert not out.exists()
