@@ -12,6 +12,7 @@ temporary file instead), so the compile stage builds it again where the cache lo
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -50,6 +51,13 @@ def c_compiler() -> str | None:
     return None
 
 
+@functools.cache
+def _compiler_version(cc: str) -> str:
+    """cc's version banner, asked once a process (an export looks the object up once per
+    custom-op shape)."""
+    return subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+
+
 def build_object(name: str, isa_flags: tuple[str, ...]) -> Path:
     """The x86-64 ELF object of specs/kernels/<name>.c built with isa_flags (e.g. -mamx-tile):
     its path in the user cache."""
@@ -60,7 +68,7 @@ def build_object(name: str, isa_flags: tuple[str, ...]) -> Path:
             "it: install gcc or clang (or set $CC), or compile with another --dtype"
         )
     flags = (*FREESTANDING, *isa_flags)
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    version = _compiler_version(cc)
     key = hashlib.sha256("\0".join([source_hash(name), *flags, version]).encode()).hexdigest()[:24]
     out = user_cache_dir() / ".kernels" / f"{name}-{key}.o"
     if out.is_file():

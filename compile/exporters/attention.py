@@ -66,7 +66,7 @@ def chunked_attention(
 ) -> torch.Tensor:
     """softmax(query @ key^T * scale + mask) @ value on [batch*heads, tokens, dim] tensors.
     matmul (export choice `matmul_kernel`) `amx`: both matmuls on sdiree's AMX kernel where the
-    token counts fit it (amx_scores)."""
+    token counts fit it (amx_operands)."""
     bh, nq, d = query.shape
     qc = query_block(nq, key.shape[1], query.element_size(), budget)
     query = query * scale

@@ -13,15 +13,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .amx_matmul import amx_matmul, fits, pack_b, register
+from .amx_matmul import MULTIPLE, amx_matmul, fits, pack_b, register
 
 
 def fits_linear(linear: torch.nn.Linear) -> bool:
     """Whether any input could take linear to the kernel (its features fit)."""
-    return fits(MULTIPLE_ROWS, linear.out_features, linear.in_features)
-
-
-MULTIPLE_ROWS = 32  # a row count that fits, for fits_linear
+    return fits(MULTIPLE, linear.out_features, linear.in_features)
 
 
 def amx_forward(linear: torch.nn.Linear):
