@@ -28,13 +28,15 @@ def host_has_amx() -> bool:
     return {"amx_tile", "amx_bf16"} <= host_cpu_features()
 
 
-def run_amx_main(mlir: str, *inputs: np.ndarray) -> np.ndarray | None:
-    """Compile a module that links sdiree's AMX kernel (compile/exporters/amx_matmul.py) and
-    call its main where this CPU has AMX; elsewhere cross-compile it for an AMX CPU (the kernel
-    must link) and return None."""
+def run_amx_main(
+    mlir: str, *inputs: np.ndarray, kernel: str = "sdiree_amx_bf16_matmul_workgroup"
+) -> np.ndarray | None:
+    """Compile a module that links one of sdiree's AMX kernels (compile/exporters/amx_matmul.py,
+    attention_amx.py) and call its main where this CPU has AMX; elsewhere cross-compile it for an
+    AMX CPU (the kernel must link) and return None."""
     cpu = "host" if host_has_amx() else "sapphirerapids"
     vmfb = compile_main(mlir, DATA_TILING, cpu)
-    assert b"sdiree_amx_bf16_matmul_workgroup" in vmfb
+    assert kernel.encode() in vmfb
     return call_main(vmfb, *inputs) if host_has_amx() else None
 
 

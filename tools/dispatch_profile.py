@@ -95,6 +95,7 @@ def profile(a: argparse.Namespace) -> list[dict]:
             cmd = [_ncu(), *NCU_FLAGS, "--log-file", str(csv_path), *cmd]
         else:
             cmd += [f"--device_profiling_mode={mode}", f"--device_profiling_output={prof}"]
+            cmd += [f"--device_profiling_flush_interval_ms={a.flush_ms}"] if a.flush_ms else []
         r = subprocess.run(cmd, capture_output=True, text=True)
     finally:
         shutil.rmtree(params, ignore_errors=True)
@@ -232,6 +233,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--group", action="store_true", help="totals by kind of dispatch first")
     p.add_argument("--out", type=Path)
+    p.add_argument(
+        "--flush-ms",
+        type=int,
+        default=20,
+        help="flush profile records this often (0: at the end; cpu then keeps ~4,100)",
+    )
     a = p.parse_args(argv)
     rows = profile(a)
     timed = [(r, _total_ns(r)) for r in rows]

@@ -46,19 +46,23 @@ def kernels_for(options: dict) -> dict[str, str]:
     """The hand-written kernels (specs/kernels) an export with these choices links, {name: sha256
     of its source}: part of the export's cache key."""
     from ..kernel_objects import source_hash
-    from .amx_matmul import KERNEL
+    from . import amx_matmul, attention_amx
 
-    names = [KERNEL] if uses_amx(options) else []
+    names = [amx_matmul.KERNEL] if uses_amx(options) else []
+    if options.get("matmul_kernel") == "amx":
+        names.append(attention_amx.KERNEL)
     return {name: source_hash(name) for name in names}
 
 
 def ensure_kernels(options: dict) -> None:
     """Build the kernels' objects that an export with these choices names, where the user cache
     lost them (a cached export names them by path: compile/kernel_objects.py)."""
-    from .amx_matmul import object_path
+    from . import amx_matmul, attention_amx
 
     if uses_amx(options):
-        object_path()
+        amx_matmul.object_path()
+    if options.get("matmul_kernel") == "amx":
+        attention_amx.object_path()
 
 
 def uses_amx(options: dict) -> bool:

@@ -32,15 +32,17 @@ def fits(m, n: int, k: int) -> bool:
 
 
 def pack_b(weight: torch.Tensor) -> torch.Tensor:
-    """A Linear's weight [N, K] as the kernel's B operand [N / 16, K / 2, 16, 2], in bf16."""
-    n, k = weight.shape
-    return weight.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).to(torch.bfloat16)
+    """A Linear's weight [..., N, K] as the kernel's B operand [..., N / 16, K / 2, 16, 2], in
+    bf16 (leading dims kept: one operand per head)."""
+    *lead, n, k = weight.shape
+    w = weight.reshape(*lead, n // 16, 16, k // 2, 2)
+    return w.transpose(-3, -2).to(torch.bfloat16)
 
 
 def unpack_b(packed: torch.Tensor) -> torch.Tensor:
-    """pack_b's operand back as [K, N] (the eager product's right operand)."""
-    j, k2, _, _ = packed.shape
-    return packed.permute(1, 3, 0, 2).reshape(k2 * 2, j * 16)
+    """pack_b's operand back as [..., K, N] (the eager product's right operand)."""
+    *lead, j, k2, _, _ = packed.shape
+    return packed.permute(*range(len(lead)), -3, -1, -4, -2).reshape(*lead, k2 * 2, j * 16)
 
 
 def amx_matmul(a: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -66,7 +68,7 @@ _TEMPLATE = """
 module {{
   stream.executable private @{name}_exe attributes {{hal.executable.objects =
       #hal.executable.objects<{{#x86 = [#hal.executable.object<{{path = "{path}"}}>]}}>}} {{
-    stream.executable.export public @matmul workgroups(%m: index, %n: index)
+    stream.executable.export public @{name} workgroups(%m: index, %n: index)
         -> (index, index, index) {{
       %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_n})>()[%n]
       %y = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_m})>()[%m]
@@ -77,7 +79,7 @@ module {{
       func.func private @sdiree_amx_bf16_matmul_workgroup(memref<bf16>, index, memref<bf16>,
           index, memref<f32>, index, index, index, index, index, index) -> i32
           attributes {{hal.import.static, llvm.bareptr = true}}
-      func.func @matmul(%a: !stream.binding, %b: !stream.binding, %c: !stream.binding,
+      func.func @{name}(%a: !stream.binding, %b: !stream.binding, %c: !stream.binding,
           %M: index, %N: index, %K: index) {{
         %c0 = arith.constant 0 : index
         %wn = stream.dispatch.workgroup.id[0] : index
@@ -106,7 +108,7 @@ module {{
     %m = arith.constant {m} : index
     %n = arith.constant {n} : index
     %k = arith.constant {k} : index
-    %0 = flow.dispatch @{name}_exe::@matmul[%m, %n](%a, %b, %m, %n, %k)
+    %0 = flow.dispatch @{name}_exe::@{name}[%m, %n](%a, %b, %m, %n, %k)
         : (tensor<{m}x{k}xbf16>, tensor<{j}x{k2}x16x2xbf16>, index, index, index)
         -> tensor<{m}x{n}xf32>
     util.return %0 : tensor<{m}x{n}xf32>
@@ -120,6 +122,20 @@ def object_path() -> str:
     from ..kernel_objects import build_object
 
     return str(build_object(KERNEL, ISA_FLAGS))
+
+
+def template_loader(template: str):
+    """An iree-turbine TemplateLoader that formats `template` with a kernel's arguments (the
+    MLIR bindings made fit for turbine first)."""
+    from iree.turbine.runtime.op_reg import impl_helper
+
+    _mlir_binding_compat()
+
+    class _Loader(impl_helper.TemplateLoader):
+        def load_template(self, kb, template_name: str, **kwargs):
+            return self._parse_module_asm(kb, template.format(**kwargs))
+
+    return _Loader()
 
 
 def _mlir_binding_compat() -> None:
@@ -137,13 +153,7 @@ def _make_op():
     from iree.turbine.runtime.op_reg import CustomOp, def_library, impl_helper
     from iree.turbine.support.ir_imports import RankedTensorType
 
-    _mlir_binding_compat()
-
-    class _Loader(impl_helper.TemplateLoader):
-        def load_template(self, kb, template: str, **kwargs):
-            return self._parse_module_asm(kb, _TEMPLATE.format(**kwargs))
-
-    loader = _Loader()
+    loader = template_loader(_TEMPLATE)
 
     @CustomOp.register(library=def_library("sdiree_amx"))
     class amx_bf16_matmul(CustomOp):

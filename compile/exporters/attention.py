@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from . import attention_amx
 from .amx_matmul import MULTIPLE, amx_matmul, fits, pack_b
 from .amx_matmul import register as register_amx
 
@@ -65,8 +66,11 @@ def chunked_attention(
     matmul: str = "iree",
 ) -> torch.Tensor:
     """softmax(query @ key^T * scale + mask) @ value on [batch*heads, tokens, dim] tensors.
-    matmul (export choice `matmul_kernel`) `amx`: both matmuls on sdiree's AMX kernel where the
-    token counts fit it (amx_operands)."""
+    matmul (export choice `matmul_kernel`) `amx`: the fused AMX attention kernel where it fits
+    (attention_amx.py), else both matmuls on sdiree's AMX matmul where the token counts fit it
+    (amx_operands)."""
+    if matmul == "amx" and query.dtype == torch.float32 and attention_amx.fits(query, key, mask):
+        return attention_amx.amx_attention(query, key, value, scale)
     bh, nq, d = query.shape
     qc = query_block(nq, key.shape[1], query.element_size(), budget)
     query = query * scale
@@ -241,6 +245,7 @@ def set_attention(
     ours = issubclass(processor, ChunkedAttnProcessor)
     if matmul == "amx":
         register_amx()
+        attention_amx.register()
     model.set_attn_processor(processor(block_bytes, matmul) if ours else processor())
     if attention == "sdpa":
         from diffusers.models.attention_processor import Attention

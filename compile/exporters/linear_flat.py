@@ -21,7 +21,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from .linear_amx import amx_forward, fits_linear
+from .linear_amx import amx_forward, fits_linear, geglu_forward, is_geglu
 from .linear_panels import has_panels, heads_merged_inputs, panels_forward
 
 LINEAR_CHOICES = ("native", "flat", "panels", "amx")
@@ -36,13 +36,18 @@ def _flat_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def set_linear_lowering(model: torch.nn.Module, choice: str) -> int:
     """Rebind the forward of every nn.Linear in model to the lowering named choice (under
-    `panels`, those with panels, and under `amx` those whose features fit its kernel; the others
-    keep their own); returns how many were rebound."""
+    `panels`, those with panels, and under `amx` those whose features fit its kernel, and GEGLU
+    feed-forwards as two kernel products; the others keep their own); returns how many Linears
+    were rebound."""
     if choice not in LINEAR_CHOICES:
         raise ValueError(f"unknown linear lowering {choice!r}")
     count = 0
     merged_heads = heads_merged_inputs(model)
     for m in model.modules():
+        if is_geglu(m):
+            m.__dict__.pop("forward", None)
+            if choice == "amx" and fits_linear(m.proj):
+                m.forward = types.MethodType(geglu_forward, m)
         if not isinstance(m, torch.nn.Linear):
             continue
         m.__dict__.pop("forward", None)  # the class's own forward again

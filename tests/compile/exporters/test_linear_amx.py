@@ -113,3 +113,27 @@ def test_the_kernel_object_is_built_once_and_cached(monkeypatch, tmp_path):
     again = kernel_objects.build_object("amx_bf16_matmul", ("-mamx-tile", "-mamx-bf16"))
     assert again == first and again.stat().st_mtime_ns == stamp
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temp left
+
+
+def test_geglu_takes_its_halves_as_two_kernel_products():
+    iree_aot = pytest.importorskip("iree.turbine.aot")
+    from diffusers.models.activations import GEGLU
+
+    torch.manual_seed(2)
+    geglu = GEGLU(64, 96)  # proj: 64 -> 2 x 96
+    x = torch.randn(2, 32, 64)
+    want = geglu(x)
+    set_linear_lowering(geglu, "amx")
+    assert "forward" in geglu.__dict__
+    value, gate = bf16_linear(geglu.proj, x).chunk(2, dim=-1)
+    got = geglu(x)
+    torch.testing.assert_close(got, value * torch.nn.functional.gelu(gate), rtol=1e-5, atol=1e-5)
+    assert 1e-5 < ((got - want).abs().max() / want.abs().max()).item() < 2e-2
+    torch.testing.assert_close(geglu(x[:, :5]), want[:, :5], rtol=0, atol=0)  # 10 rows: fp32
+    text = str(iree_aot.export(geglu, args=(x,)).mlir_module)
+    assert text.count("util.call @sdiree_amx_matmul_64x64x96(") == 2  # value and gate halves
+    out = run_amx_main(text, x.numpy())
+    if out is not None:
+        assert np.abs(out - got.detach().numpy()).max() / np.abs(want.detach().numpy()).max() < 2e-3
+    set_linear_lowering(geglu, "native")
+    assert "forward" not in geglu.__dict__

@@ -1,6 +1,6 @@
 """`matmul_kernel: "amx"`: a split Winograd conv's products (compile/exporters/winograd.py
-`_product`) and `chunked` attention's two matmuls (attention.py) that fit sdiree's AMX kernel
-take it, with bf16 operands (the transformed weight's slices, keys and values packed for the
+`_product`) and the two matmuls of `chunked` attention that the fused kernel does not take (a
+mask, a head dim over 160: attention.py, attention_amx.py) that fit sdiree's AMX kernel take it, with bf16 operands (the transformed weight's slices, keys and values packed for the
 kernel); each stays its computation within bf16's rounding, what does not fit keeps iree's
 matmul, and where this CPU has AMX the compiled module gives the eager result."""
 
@@ -64,9 +64,10 @@ def test_amx_attention_is_attention_in_bf16_and_odd_key_counts_keep_iree():
     register()
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 256, 40) for _ in range(3))
+    zero = torch.zeros(2, 1, 256)  # a mask: the fused kernel does not take it
     want = torch.softmax(q.double() @ k.double().transpose(1, 2) * 40**-0.5, -1) @ v.double()
-    plain = chunked_attention(q, k, v, 40**-0.5, None, 1 << 18, "iree")
-    amx = chunked_attention(q, k, v, 40**-0.5, None, 1 << 18, "amx")
+    plain = chunked_attention(q, k, v, 40**-0.5, zero, 1 << 18, "iree")
+    amx = chunked_attention(q, k, v, 40**-0.5, zero, 1 << 18, "amx")
     assert ((plain - want).abs().max() / want.abs().max()).item() < 1e-5
     assert 1e-4 < ((amx - want).abs().max() / want.abs().max()).item() < 2e-2
     k77, v77 = torch.randn(2, 77, 40), torch.randn(2, 77, 40)  # the text's 77 keys
@@ -84,11 +85,12 @@ def test_exported_attention_dispatches_both_matmuls_to_the_kernel(tmp_path):
     register()
 
     class Attend(torch.nn.Module):
-        def forward(self, q, k, v):
-            return chunked_attention(q, k, v, 40**-0.5, None, 1 << 18, "amx")
+        def forward(self, q, k, v, mask):
+            return chunked_attention(q, k, v, 40**-0.5, mask, 1 << 18, "amx")
 
     q, k, v = (torch.randn(2, 256, 40) for _ in range(3))
-    text = str(iree_aot.export(Attend(), args=(q, k, v)).mlir_module)
+    mask = torch.zeros(2, 1, 256)
+    text = str(iree_aot.export(Attend(), args=(q, k, v, mask)).mlir_module)
     # 2 heads x 1 query block (256 x 256 fp32 scores fit 256 KiB): QK^T 256x64x256, P.V 256x256x64
     assert text.count("util.call @sdiree_amx_matmul_256x64x256(") == 2
     assert text.count("util.call @sdiree_amx_matmul_256x256x64(") == 2

@@ -1,0 +1,201 @@
+"""Self-attention traced as one dispatch to sdiree's fused AMX attention kernel
+(specs/kernels/amx_bf16_attention.c): softmax(q k^T) v with the scores kept in each workgroup's
+L1, under export choice `matmul_kernel: amx` with `attention: chunked` (attention.py).
+
+The chunked path on the kernel's matmuls writes every chunk's scores (f32) to memory and reads
+them back three times; at SD 1.5's 64x64 level that traffic cost more than the products. Here the
+graph only pads and packs: q scaled (by log2(e) too: the kernel's softmax takes powers of 2),
+zero-padded to a head dim that is a multiple of 32 and cast to bf16; each head's keys packed as
+the B operand of q k^T, its values (zero-padded likewise) as the B operand of p v
+(amx_matmul.pack_b). The result is [batch*heads, queries, dim] float32.
+
+`fits`: no mask, query and key counts multiples of 32, a head dim of at most 160 (the kernel's
+accumulator block); other attention keeps the chunked path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .amx_matmul import MULTIPLE, pack_b, template_loader, unpack_b
+
+KERNEL = "amx_bf16_attention"
+ISA_FLAGS = (
+    "-mamx-tile",
+    "-mamx-bf16",
+    "-mavx512f",
+    "-mavx512dq",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512bf16",
+)
+QUERY_BLOCK = 32  # the kernel's QB: queries a workgroup
+MAX_DIM = 160  # the kernel's DV_MAX
+# q is scaled by this too: the kernel's softmax takes powers of 2 (2^(s log2 e) = e^s)
+LOG2_E = 1.4426950408889634
+
+
+def padded(d: int) -> int:
+    return -(-d // MULTIPLE) * MULTIPLE
+
+
+def fits(query: torch.Tensor, key: torch.Tensor, mask) -> bool:
+    """Whether attention on these [batch*heads, tokens, dim] operands can go to the kernel."""
+    nq, nk, d = query.shape[1], key.shape[1], query.shape[-1]
+    return (
+        mask is None
+        and all(isinstance(n, int) and n % MULTIPLE == 0 for n in (nq, nk))
+        and padded(d) <= MAX_DIM
+    )
+
+
+def amx_attention(query, key, value, scale: float) -> torch.Tensor:
+    """softmax(query key^T * scale) value on [batch*heads, tokens, dim] fp32 tensors, on the
+    kernel (`register()` first, outside a trace)."""
+    if _OP is None:
+        raise RuntimeError("amx_attention: call register() before tracing")
+    d = query.shape[-1]
+    pad = padded(d) - d
+    q = torch.nn.functional.pad(query * (scale * LOG2_E), (0, pad)).to(torch.bfloat16)
+    k = pack_b(torch.nn.functional.pad(key, (0, pad)))
+    v = pack_b(torch.nn.functional.pad(value, (0, pad)).transpose(1, 2))
+    return _OP(q, k, v, d)
+
+
+_OP = None
+
+
+def register() -> None:
+    """Register the custom op with torch (once a process)."""
+    global _OP
+    if _OP is None:
+        _OP = _make_op()
+
+
+_TEMPLATE = """
+#x86 = #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64">
+module {{
+  stream.executable private @{name}_exe attributes {{hal.executable.objects =
+      #hal.executable.objects<{{#x86 = [#hal.executable.object<{{path = "{path}"}}>]}}>}} {{
+    stream.executable.export public @{name} workgroups(%nq: index, %bh: index)
+        -> (index, index, index) {{
+      %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_q})>()[%nq]
+      %c1 = arith.constant 1 : index
+      stream.return %x, %bh, %c1 : index, index, index
+    }}
+    builtin.module {{
+      func.func private @sdiree_amx_bf16_attention_workgroup(memref<bf16>, index, memref<bf16>,
+          index, memref<bf16>, index, memref<f32>, index, index, index, index, index, index,
+          index, index) -> i32 attributes {{hal.import.static, llvm.bareptr = true}}
+      func.func @{name}(%q: !stream.binding, %k: !stream.binding, %v: !stream.binding,
+          %o: !stream.binding, %BH: index, %NQ: index, %NK: index, %D: index, %DV: index,
+          %DO: index) {{
+        %c0 = arith.constant 0 : index
+        %wq = stream.dispatch.workgroup.id[0] : index
+        %wh = stream.dispatch.workgroup.id[1] : index
+        %hq = arith.muli %BH, %NQ : index
+        %hk = arith.muli %BH, %NK : index
+        %sq = arith.muli %hq, %D : index
+        %sk = arith.muli %hk, %D : index
+        %sv = arith.muli %hk, %DV : index
+        %so = arith.muli %hq, %DO : index
+        %qm = stream.binding.subspan %q[%c0] : !stream.binding -> memref<?xbf16>{{%sq}}
+        %km = stream.binding.subspan %k[%c0] : !stream.binding -> memref<?xbf16>{{%sk}}
+        %vm = stream.binding.subspan %v[%c0] : !stream.binding -> memref<?xbf16>{{%sv}}
+        %om = stream.binding.subspan %o[%c0] : !stream.binding -> memref<?xf32>{{%so}}
+        %qb, %qo, %qs, %qt = iree_codegen.extract_strided_metadata %qm
+            : memref<?xbf16> -> memref<bf16>, index, index, index
+        %kb, %ko, %ks, %kt = iree_codegen.extract_strided_metadata %km
+            : memref<?xbf16> -> memref<bf16>, index, index, index
+        %vb, %vo, %vs, %vt = iree_codegen.extract_strided_metadata %vm
+            : memref<?xbf16> -> memref<bf16>, index, index, index
+        %ob, %oo, %os, %ot = iree_codegen.extract_strided_metadata %om
+            : memref<?xf32> -> memref<f32>, index, index, index
+        %r = func.call @sdiree_amx_bf16_attention_workgroup(%qb, %qo, %kb, %ko, %vb, %vo, %ob,
+            %oo, %NQ, %NK, %D, %DV, %DO, %wq, %wh) : (memref<bf16>, index, memref<bf16>, index,
+            memref<bf16>, index, memref<f32>, index, index, index, index, index, index, index,
+            index) -> i32
+        return
+      }}
+    }}
+  }}
+  util.func private @{name}(%q: tensor<{bh}x{nq}x{d}xbf16>,
+      %k: tensor<{bh}x{kj}x{d2}x16x2xbf16>, %v: tensor<{bh}x{vj}x{nk2}x16x2xbf16>)
+      -> tensor<{bh}x{nq}x{do}xf32> {{
+    %bh = arith.constant {bh} : index
+    %nq = arith.constant {nq} : index
+    %nk = arith.constant {nk} : index
+    %d = arith.constant {d} : index
+    %dv = arith.constant {dv} : index
+    %do = arith.constant {do} : index
+    %0 = flow.dispatch @{name}_exe::@{name}[%nq, %bh](%q, %k, %v, %bh, %nq, %nk, %d, %dv, %do)
+        : (tensor<{bh}x{nq}x{d}xbf16>, tensor<{bh}x{kj}x{d2}x16x2xbf16>,
+           tensor<{bh}x{vj}x{nk2}x16x2xbf16>, index, index, index, index, index, index)
+        -> tensor<{bh}x{nq}x{do}xf32>
+    util.return %0 : tensor<{bh}x{nq}x{do}xf32>
+  }}
+}}
+"""
+
+
+def object_path() -> str:
+    """The kernel's object (built once into the user cache: compile/kernel_objects.py)."""
+    from ..kernel_objects import build_object
+
+    return str(build_object(KERNEL, ISA_FLAGS))
+
+
+def _make_op():
+    from iree.turbine.runtime.op_reg import CustomOp, def_library, impl_helper
+    from iree.turbine.support.ir_imports import RankedTensorType
+
+    loader = template_loader(_TEMPLATE)
+
+    @CustomOp.register(library=def_library("sdiree_amx_attention"))
+    class amx_bf16_attention(CustomOp):
+        signature = "amx_bf16_attention(Tensor q, Tensor k, Tensor v, int d) -> (Tensor)"
+
+        def select(self, ksel):
+            q = ksel.arg_tensor(0)
+            k = ksel.arg_tensor(1)
+            v = ksel.arg_tensor(2)
+            d = ksel.attr_int(3)
+            for t in (q, k, v):
+                t.specialize_all_dims()
+            out = ksel.return_new_tensor([q.t.shape[0], q.t.shape[1], d.v], torch.float32)
+            out.specialize_all_dims()
+
+        def eager_execute(self, q, k, v, d):
+            scores = q.float() @ unpack_b(k).float()  # in base-2 units
+            p = torch.softmax(scores * math.log(2), dim=-1)
+            return (p @ unpack_b(v).float())[..., :d]
+
+        def generate(self, ksel, kb):
+            bh, nq, dp = RankedTensorType(kb.arg_bindings[0].type).shape
+            _, kj, d2, _, _ = RankedTensorType(kb.arg_bindings[1].type).shape
+            _, vj, nk2, _, _ = RankedTensorType(kb.arg_bindings[2].type).shape
+            d_out = ksel.arg_descs[3].v
+            name = f"sdiree_amx_attention_{bh}x{nq}x{kj * 16}x{dp}x{d_out}"
+            func = loader.inline_template_function(
+                kb,
+                KERNEL,
+                name,
+                name=name,
+                path=object_path(),
+                block_q=QUERY_BLOCK,
+                bh=bh,
+                nq=nq,
+                nk=kj * 16,
+                d=dp,
+                dv=vj * 16,
+                do=d_out,
+                kj=kj,
+                d2=d2,
+                vj=vj,
+                nk2=nk2,
+            )
+            kb.yield_results(*impl_helper.call_function(func, *kb.arg_bindings[:3]))
+
+    return amx_bf16_attention

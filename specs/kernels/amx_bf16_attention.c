@@ -1,0 +1,196 @@
+/* sdiree's fused attention on AMX: O = softmax(Q K^T) V for one head's block of 32 queries.
+
+   The chunked attention of compile/exporters/attention.py writes each chunk's score block
+   (256 queries x 4096 keys, f32: 4 MiB) to memory and reads it back three times (max, exp, the
+   product with V): at SD 1.5's 64x64 level that is ~18 GB of traffic a UNet call, more than the
+   products cost on AMX. Here a workgroup keeps its scores in L1: keys are taken a block of KB at
+   a time, the softmax is the online one (running row max m and sum l, the output rescaled when m
+   passes its reference by more than SLACK), and both products run on AMX tiles. The exporter (compile/exporters/attention_amx.py)
+   sends self-attention without a mask here.
+
+   Layouts, per head h of BH (the workgroup grid is (NQ / 32, BH)):
+     q  [BH][NQ][D] bf16, already scaled, D a multiple of 32 (zero-padded head dim);
+     k  [BH][NK / 16][D / 2][16][2] bf16: each head's keys [NK, D] packed as AMX's B operand of
+        Q K^T (amx_matmul.pack_b of the keys);
+     v  [BH][DV / 16][NK / 2][16][2] bf16: each head's values [NK, DV] packed as the B operand of
+        P V (pack_b of the values' transpose), DV a multiple of 32, at most 160;
+     o  [BH][NQ][DO] f32: the first DO <= DV columns of the normalized output.
+   NQ and NK are multiples of 32. q comes scaled by log2(e) too, so the softmax's exponentials are
+   powers of 2. The probabilities P are rounded to bf16 for the product; the row sums l are summed
+   in f32 before that rounding (its errors are unbiased and average out over a row).
+
+   Built freestanding like amx_bf16_matmul.c (compile/kernel_objects.py). Its stack frame is
+   ~45 KB (iree's task workers have 128 KB). */
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define QB 32        /* queries a workgroup */
+#define KB 128       /* keys a step of the online softmax */
+#define DV_MAX 160
+#define SLACK 8.0f   /* how far (base 2) scores may pass a row's reference max */
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} tile_config;
+
+static volatile int amx_permitted;
+
+static void request_amx(void) {
+  if (amx_permitted) return;
+  long ret;
+  __asm__ volatile("syscall"
+                   : "=a"(ret)
+                   : "a"(158L), "D"(0x1023L), "S"(18L)
+                   : "rcx", "r11", "memory");
+  amx_permitted = ret == 0;
+}
+
+/* 2^x for x <= SLACK (scores minus their row's reference max, in base-2 units: the exporter scales q by
+   log2(e)), relative error below 3e-6 (Taylor to degree 5 of 2^r, |r| <= 1/2; far below bf16's
+   rounding of the result). Large negative x give 0 (vscalefps underflows). */
+static inline __m512 exp2_small(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, const uint16_t *k,
+                                        size_t k_offset, const uint16_t *v, size_t v_offset,
+                                        float *o, size_t o_offset, size_t NQ, size_t NK, size_t D,
+                                        size_t DV, size_t DO, size_t wg_q, size_t wg_h) {
+  request_amx();
+  const size_t q0 = wg_q * QB;
+  const uint8_t *qh = (const uint8_t *)(q + q_offset + (wg_h * NQ + q0) * D);
+  const uint8_t *kh = (const uint8_t *)(k + k_offset + wg_h * NK * D);
+  const uint8_t *vh = (const uint8_t *)(v + v_offset + wg_h * NK * DV);
+  float *oh = o + o_offset + (wg_h * NQ + q0) * DO;
+
+  float s[QB][KB] __attribute__((aligned(64)));
+  uint16_t p[QB][KB] __attribute__((aligned(64)));
+  float acc[QB][DV_MAX] __attribute__((aligned(64)));
+  float m[QB], l[QB];
+  for (int r = 0; r < QB; ++r) {
+    m[r] = -1e30f;
+    l[r] = 0.0f;
+    for (size_t c = 0; c < DV; c += 16) _mm512_store_ps(&acc[r][c], _mm512_setzero_ps());
+  }
+
+  tile_config cfg;
+  uint8_t *raw = (uint8_t *)&cfg;
+  for (size_t i = 0; i < sizeof cfg; ++i) raw[i] = 0;
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+
+  const size_t ldq = D * 2, k_strip = D * 32, v_strip = NK * 32; /* bytes */
+  for (size_t kb = 0; kb < NK; kb += KB) {
+    const size_t len = NK - kb < KB ? NK - kb : KB;
+    /* s = q k^T for keys [kb, kb + len), 32 x 32 at a time */
+    for (size_t n = 0; n < len; n += 32) {
+      const uint8_t *b0 = kh + ((kb + n) / 16) * k_strip;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (size_t d = 0; d < D; d += 32) {
+        _tile_loadd(4, qh + d * 2, ldq);
+        _tile_loadd(6, b0 + d * 32, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, b0 + k_strip + d * 32, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, qh + 16 * ldq + d * 2, ldq);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, &s[0][n], KB * 4);
+      _tile_stored(1, &s[0][n + 16], KB * 4);
+      _tile_stored(2, &s[16][n], KB * 4);
+      _tile_stored(3, &s[16][n + 16], KB * 4);
+    }
+    /* the online softmax, a phase at a time over the 32 rows (each phase's rows independent, so
+       their reductions overlap): a row's reference m moves only when its scores pass it by more
+       than SLACK (then l and acc are rescaled by 2^(m_old - m_new)); p = 2^(s - m) <= 2^SLACK,
+       rounded to bf16. */
+    float alpha[QB];
+    int rescale = 0;
+    for (int r = 0; r < QB; ++r) {
+      __m512 mx = _mm512_load_ps(&s[r][0]);
+      for (size_t c = 16; c < len; c += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(&s[r][c]));
+      const float row_max = _mm512_reduce_max_ps(mx);
+      alpha[r] = 1.0f;
+      if (row_max > m[r] + SLACK) {
+        alpha[r] = m[r] - row_max; /* the exponent, for now */
+        m[r] = row_max;
+        rescale = 1;
+      }
+    }
+    if (rescale) {
+      for (int r = 0; r < QB; r += 16) {
+        const __m512 x = _mm512_loadu_ps(&alpha[r]);
+        const __mmask16 moved = _mm512_cmp_ps_mask(x, _mm512_set1_ps(1.0f), _CMP_NEQ_OQ);
+        _mm512_storeu_ps(&alpha[r], _mm512_mask_blend_ps(moved, x, exp2_small(x)));
+      }
+      for (int r = 0; r < QB; ++r) {
+        if (alpha[r] == 1.0f) continue;
+        l[r] *= alpha[r];
+        const __m512 av = _mm512_set1_ps(alpha[r]);
+        for (size_t c = 0; c < DV; c += 16)
+          _mm512_store_ps(&acc[r][c], _mm512_mul_ps(_mm512_load_ps(&acc[r][c]), av));
+      }
+    }
+    for (int r = 0; r < QB; ++r) {
+      const __m512 mv = _mm512_set1_ps(m[r]);
+      __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+      for (size_t c = 0; c < len; c += 32) {
+        const __m512 e0 = exp2_small(_mm512_sub_ps(_mm512_load_ps(&s[r][c]), mv));
+        const __m512 e1 = exp2_small(_mm512_sub_ps(_mm512_load_ps(&s[r][c + 16]), mv));
+        _mm256_store_si256((__m256i *)&p[r][c], (__m256i)_mm512_cvtneps_pbh(e0));
+        _mm256_store_si256((__m256i *)&p[r][c + 16], (__m256i)_mm512_cvtneps_pbh(e1));
+        sum0 = _mm512_add_ps(sum0, e0);
+        sum1 = _mm512_add_ps(sum1, e1);
+      }
+      l[r] += _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+    }
+    /* acc += p v for the same keys */
+    for (size_t n = 0; n < DV; n += 32) {
+      const uint8_t *b0 = vh + (n / 16) * v_strip + kb * 32;
+      _tile_loadd(0, &acc[0][n], DV_MAX * 4);
+      _tile_loadd(1, &acc[0][n + 16], DV_MAX * 4);
+      _tile_loadd(2, &acc[16][n], DV_MAX * 4);
+      _tile_loadd(3, &acc[16][n + 16], DV_MAX * 4);
+      for (size_t kk = 0; kk < len; kk += 32) {
+        _tile_loadd(4, &p[0][kk], KB * 2);
+        _tile_loadd(6, b0 + kk * 32, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, b0 + v_strip + kk * 32, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, &p[16][kk], KB * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, &acc[0][n], DV_MAX * 4);
+      _tile_stored(1, &acc[0][n + 16], DV_MAX * 4);
+      _tile_stored(2, &acc[16][n], DV_MAX * 4);
+      _tile_stored(3, &acc[16][n + 16], DV_MAX * 4);
+    }
+  }
+  _tile_release();
+
+  for (int r = 0; r < QB; ++r) {
+    const float inv = 1.0f / l[r];
+    for (size_t c = 0; c < DO; ++c) oh[r * DO + c] = acc[r][c] * inv;
+  }
+  return 0;
+}
