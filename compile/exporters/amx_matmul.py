@@ -46,8 +46,9 @@ def unpack_b(packed: torch.Tensor) -> torch.Tensor:
 
 
 def amx_matmul(a: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """a [M, K] bf16 times pack_b's operand: [M, N] float32 (`register()` first, outside a
-    trace: dynamo cannot trace the op's registration)."""
+    """a [M, K] bf16 times pack_b's operand: [M, N] float32; or a batch of them, a [B, M, K]
+    and pack_b's operand of a [B, N, K] weight (one dispatch, the batch its grid's third axis).
+    `register()` first, outside a trace: dynamo cannot trace the op's registration."""
     if _OP is None:
         raise RuntimeError("amx_matmul: call register() before tracing")
     return _OP(a, packed)
@@ -117,6 +118,72 @@ module {{
 """
 
 
+# The batched product: the grid's z axis walks the batch, each workgroup's operands offset to its
+# batch element's matrices (the kernel itself is the 2-D one).
+_TEMPLATE_BATCHED = """
+#x86 = #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64">
+module {{
+  stream.executable private @{name}_exe attributes {{hal.executable.objects =
+      #hal.executable.objects<{{#x86 = [#hal.executable.object<{{path = "{path}"}}>]}}>}} {{
+    stream.executable.export public @{name} workgroups(%m: index, %n: index, %b: index)
+        -> (index, index, index) {{
+      %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_n})>()[%n]
+      %y = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_m})>()[%m]
+      stream.return %x, %y, %b : index, index, index
+    }}
+    builtin.module {{
+      func.func private @sdiree_amx_bf16_matmul_workgroup(memref<bf16>, index, memref<bf16>,
+          index, memref<f32>, index, index, index, index, index, index) -> i32
+          attributes {{hal.import.static, llvm.bareptr = true}}
+      func.func @{name}(%a: !stream.binding, %b: !stream.binding, %c: !stream.binding,
+          %B: index, %M: index, %N: index, %K: index) {{
+        %c0 = arith.constant 0 : index
+        %wn = stream.dispatch.workgroup.id[0] : index
+        %wm = stream.dispatch.workgroup.id[1] : index
+        %wb = stream.dispatch.workgroup.id[2] : index
+        %ea = arith.muli %M, %K : index
+        %eb = arith.muli %N, %K : index
+        %ec = arith.muli %M, %N : index
+        %sa = arith.muli %ea, %B : index
+        %sb = arith.muli %eb, %B : index
+        %sc = arith.muli %ec, %B : index
+        %am = stream.binding.subspan %a[%c0] : !stream.binding -> memref<?xbf16>{{%sa}}
+        %bm = stream.binding.subspan %b[%c0] : !stream.binding -> memref<?xbf16>{{%sb}}
+        %cm = stream.binding.subspan %c[%c0] : !stream.binding -> memref<?xf32>{{%sc}}
+        %ab, %ao, %as, %at = iree_codegen.extract_strided_metadata %am
+            : memref<?xbf16> -> memref<bf16>, index, index, index
+        %bb, %bo, %bs, %bt = iree_codegen.extract_strided_metadata %bm
+            : memref<?xbf16> -> memref<bf16>, index, index, index
+        %cb, %co, %cs, %ct = iree_codegen.extract_strided_metadata %cm
+            : memref<?xf32> -> memref<f32>, index, index, index
+        %da = arith.muli %wb, %ea : index
+        %db = arith.muli %wb, %eb : index
+        %dc = arith.muli %wb, %ec : index
+        %ao2 = arith.addi %ao, %da : index
+        %bo2 = arith.addi %bo, %db : index
+        %co2 = arith.addi %co, %dc : index
+        %r = func.call @sdiree_amx_bf16_matmul_workgroup(%ab, %ao2, %bb, %bo2, %cb, %co2, %M, %N,
+            %K, %wn, %wm) : (memref<bf16>, index, memref<bf16>, index, memref<f32>, index,
+            index, index, index, index, index) -> i32
+        return
+      }}
+    }}
+  }}
+  util.func private @{name}(%a: tensor<{bt}x{m}x{k}xbf16>, %b: tensor<{bt}x{j}x{k2}x16x2xbf16>)
+      -> tensor<{bt}x{m}x{n}xf32> {{
+    %bt = arith.constant {bt} : index
+    %m = arith.constant {m} : index
+    %n = arith.constant {n} : index
+    %k = arith.constant {k} : index
+    %0 = flow.dispatch @{name}_exe::@{name}[%m, %n, %bt](%a, %b, %bt, %m, %n, %k)
+        : (tensor<{bt}x{m}x{k}xbf16>, tensor<{bt}x{j}x{k2}x16x2xbf16>, index, index, index,
+           index) -> tensor<{bt}x{m}x{n}xf32>
+    util.return %0 : tensor<{bt}x{m}x{n}xf32>
+  }}
+}}
+"""
+
+
 def object_path() -> str:
     """The kernel's object (built once into the user cache: compile/kernel_objects.py)."""
     from ..kernel_objects import build_object
@@ -154,6 +221,7 @@ def _make_op():
     from iree.turbine.support.ir_imports import RankedTensorType
 
     loader = template_loader(_TEMPLATE)
+    batched_loader = template_loader(_TEMPLATE_BATCHED)
 
     @CustomOp.register(library=def_library("sdiree_amx"))
     class amx_bf16_matmul(CustomOp):
@@ -164,21 +232,23 @@ def _make_op():
             b = ksel.arg_tensor(1)
             a.specialize_all_dims()
             b.specialize_all_dims()
-            c = ksel.return_new_tensor([a.t.shape[0], b.t.shape[0] * 16], torch.float32)
+            shape = [*a.t.shape[:-1], b.t.shape[-4] * 16]
+            c = ksel.return_new_tensor(shape, torch.float32)
             c.specialize_all_dims()
 
         def eager_execute(self, a, b):
             return a.float() @ unpack_b(b).float()
 
         def generate(self, ksel, kb):
-            m, k = RankedTensorType(kb.arg_bindings[0].type).shape
-            j, k2 = RankedTensorType(kb.arg_bindings[1].type).shape[:2]
-            name = f"sdiree_amx_matmul_{m}x{k}x{j * 16}"
-            func = loader.inline_template_function(
+            *batch, m, k = RankedTensorType(kb.arg_bindings[0].type).shape
+            j, k2 = RankedTensorType(kb.arg_bindings[1].type).shape[-4:-2]
+            name = f"sdiree_amx_matmul_{'x'.join(map(str, [*batch, m, k, j * 16]))}"
+            func = (batched_loader if batch else loader).inline_template_function(
                 kb,
                 KERNEL,
                 name,
                 name=name,
+                bt=batch[0] if batch else 1,
                 path=object_path(),
                 block_m=BLOCK_M,
                 block_n=BLOCK_N,

@@ -96,7 +96,8 @@ def convs_as_matmuls(
             tile = (tiles or {}).get(m, WINOGRAD_TILES.get(conv))
             channels_last = None
             if tile == 0 or (tile is None and forward is conv2d_as_matmul):
-                lowering, channels_last = conv2d_as_matmul, conv2d_as_matmul_nhwc
+                lowering = functools.partial(conv2d_as_matmul, matmul=matmul_kernel)
+                channels_last = functools.partial(conv2d_as_matmul_nhwc, matmul=matmul_kernel)
             elif tile is None:
                 lowering = forward
             else:

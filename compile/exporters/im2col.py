@@ -1,18 +1,24 @@
 """Export choice `conv: "matmul"`: a Conv2d as channels-last im2col and one matmul,
 [N·OH·OW, KH·KW·C] @ [KH·KW·C, O]; also what every other choice falls back to for the convs it
-does not take."""
+does not take. Under `matmul_kernel: amx` the matmul goes to sdiree's AMX kernel where it fits
+(bf16 columns, the weight packed for the kernel in the graph: a constant expression the
+parameter encoder computes)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-
-def conv2d_as_matmul(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    return conv2d_as_matmul_nhwc(conv, x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+from .amx_matmul import amx_matmul, fits, pack_b
 
 
-def conv2d_as_matmul_nhwc(conv: torch.nn.Conv2d, xh: torch.Tensor) -> torch.Tensor:
+def conv2d_as_matmul(conv: torch.nn.Conv2d, x: torch.Tensor, matmul: str = "iree") -> torch.Tensor:
+    return conv2d_as_matmul_nhwc(conv, x.permute(0, 2, 3, 1), matmul).permute(0, 3, 1, 2)
+
+
+def conv2d_as_matmul_nhwc(
+    conv: torch.nn.Conv2d, xh: torch.Tensor, matmul: str = "iree"
+) -> torch.Tensor:
     """The same on a channels-last input [N, H, W, C]; channels-last output [N, OH, OW, O]."""
     n, h, w, c = xh.shape
     o, _, kh, kw = conv.weight.shape
@@ -28,8 +34,12 @@ def conv2d_as_matmul_nhwc(conv: torch.nn.Conv2d, xh: torch.Tensor) -> torch.Tens
         for j in range(kw)
     ]
     cols = torch.cat(windows, dim=-1) if len(windows) > 1 else windows[0]
-    weight = conv.weight.permute(2, 3, 1, 0).reshape(kh * kw * c, o)
-    out = torch.mm(cols.reshape(n * oh * ow, kh * kw * c), weight)
+    cols = cols.reshape(n * oh * ow, kh * kw * c)
+    if matmul == "amx" and fits(n * oh * ow, o, kh * kw * c):
+        weight = conv.weight.permute(0, 2, 3, 1).reshape(o, kh * kw * c)
+        out = amx_matmul(cols.to(torch.bfloat16), pack_b(weight))
+    else:
+        out = torch.mm(cols, conv.weight.permute(2, 3, 1, 0).reshape(kh * kw * c, o))
     if conv.bias is not None:
         out = out + conv.bias
     return out.reshape(n, oh, ow, o)

@@ -96,7 +96,7 @@ def conv2d_winograd_nhwc(
     """conv2d_winograd on a channels-last input [N, H, W, C], its output channels-last too."""
     n, h, w, c = xh.shape
     if not (_winograd_kernel(conv) and h % m == 0 and w % m == 0):
-        return conv2d_as_matmul_nhwc(conv, xh)
+        return conv2d_as_matmul_nhwc(conv, xh, matmul)
     u = getattr(conv, WINOGRAD_PARAM, None)
     if u is None:
         u = winograd_weight(conv.weight, m)
@@ -110,17 +110,20 @@ def conv2d_winograd_nhwc(
         else:
             y = _inverse_batched(torch.stack(prods), m, shape)
     else:
-        y = _inverse_batched(_winograd_batched(xp, u, m, th, tw), m, shape)
+        y = _inverse_batched(_winograd_batched(xp, u, m, th, tw, matmul), m, shape)
     if conv.bias is not None:
         y = y + conv.bias
     return y
 
 
-def _winograd_batched(xp: torch.Tensor, u: torch.Tensor, m: int, th: int, tw: int):
+def _winograd_batched(
+    xp: torch.Tensor, u: torch.Tensor, m: int, th: int, tw: int, matmul: str = "iree"
+):
     """All (m+2)^2 products M_rs = V_rs @ U_rs as one batched matmul over the stacked V_rs:
     [(m+2)^2, N·th·tw, O]. Each conv is a few dispatches (its compile, and its weight's
     encoding at compile time, cost what one conv's should); but the stacks are whole-tensor
-    copies, and a bf16 conversion of them is packed element by element (compile/NOTES.md)."""
+    copies, and a bf16 conversion of them is packed element by element (compile/NOTES.md).
+    Under `amx` the batch is one dispatch to sdiree's AMX kernel where it fits (_product)."""
     bt = WINOGRAD[m][0]
     t = m + 2
     n, c = xp.shape[0], xp.shape[-1]
@@ -130,7 +133,7 @@ def _winograd_batched(xp: torch.Tensor, u: torch.Tensor, m: int, th: int, tw: in
     bd = torch.stack([_combine(bt[r], rows) for r in range(t)])
     cols = [bd[:, :, :, j : j + m * tw : m] for j in range(t)]  # [t(r), N, th, tw, C]
     v = torch.stack([_combine(bt[s], cols) for s in range(t)], dim=1)  # [t(r), t(s), N, th, tw, C]
-    return torch.bmm(v.reshape(t * t, n * th * tw, c), u)
+    return _product(v.reshape(t * t, n * th * tw, c), u, matmul)
 
 
 def _winograd_products(
@@ -158,12 +161,12 @@ def _winograd_products(
 
 
 def _product(v: torch.Tensor, u: torch.Tensor, matmul: str) -> torch.Tensor:
-    """V_rs @ U_rs ([M, C] @ [C, O]); under `amx`, on sdiree's AMX kernel where it fits (bf16
-    operands, U_rs packed for the kernel: a constant expression of the transformed weight, which
-    the parameter encoder computes at compile)."""
-    if matmul == "amx" and fits(v.shape[0], u.shape[1], u.shape[0]):
-        return amx_matmul(v.to(torch.bfloat16), pack_b(u.t()))
-    return torch.mm(v, u)
+    """V_rs @ U_rs ([M, C] @ [C, O], or a batch of them); under `amx`, on sdiree's AMX kernel
+    where it fits (bf16 operands, U_rs packed for the kernel: a constant expression of the
+    transformed weight, which the parameter encoder computes at compile)."""
+    if matmul == "amx" and fits(v.shape[-2], u.shape[-1], u.shape[-2]):
+        return amx_matmul(v.to(torch.bfloat16), pack_b(u.transpose(-1, -2)))
+    return torch.mm(v, u) if v.dim() == 2 else torch.bmm(v, u)
 
 
 def _inverse_interleaved(prods: list, m: int, shape: tuple) -> torch.Tensor:

@@ -84,6 +84,7 @@ def test_exported_attention_is_one_kernel_dispatch_and_matches(bh, nq, nk, d):
     want = _attention64(q, k, v, d**-0.5).numpy()
     assert out.shape == want.shape
     assert np.abs(out - want).max() / np.abs(want).max() < 2e-2
-    # the eager op (what a trace's shape probes see) is the same computation
+    # the eager op (what a trace's shape probes see) is the same computation but for the
+    # kernel's rounding of the probabilities to bf16 (2^-9 relative)
     eager = Attend()(q, k, v).numpy()
-    assert np.abs(out - eager).max() / np.abs(eager).max() < 2e-3
+    assert np.abs(out - eager).max() / np.abs(eager).max() < 5e-3

@@ -57,6 +57,33 @@ def test_exported_split_conv_dispatches_its_products_to_the_kernel():
     assert np.abs(out - want).max() / np.abs(want).max() < 2e-3
 
 
+def test_batched_winograd_and_im2col_convs_take_the_kernel():
+    """Below the split side a conv's 16 products are one batched dispatch to the kernel (the
+    grid's third axis); a stride-2 conv's and a 1x1 conv's im2col matmuls go to it too."""
+    iree_aot = pytest.importorskip("iree.turbine.aot")
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(64, 96, 3, padding=1),  # 8x8 input: batched Winograd
+        torch.nn.Conv2d(96, 64, 3, stride=2, padding=1),  # im2col: 2x4x4 rows, K 864
+        torch.nn.Conv2d(64, 32, 1),  # 1x1: 32 rows
+    )
+    x = torch.randn(2, 64, 8, 8)
+    exact = model(x).double()
+    set_conv_lowering(model, "winograd", None, "interleaved", 16, "amx")
+    got = model(x)
+    rel = ((got.double() - exact).abs().max() / exact.abs().max()).item()
+    assert 1e-5 < rel < 2e-2  # bf16 operands: rounded, and not far
+    text = str(iree_aot.export(model, args=(x,)).mlir_module)
+    assert text.count("util.call @sdiree_amx_matmul_16x32x64x96(") == 1  # 16 elements, 2x4x4 tiles
+    assert text.count("util.call @sdiree_amx_matmul_32x864x64(") == 1
+    assert text.count("util.call @sdiree_amx_matmul_32x64x32(") == 1
+    out = run_amx_main(text, x.numpy())
+    if out is None:  # this CPU lacks AMX: cross-compiled only
+        return
+    want = got.detach().numpy()
+    assert np.abs(out - want).max() / np.abs(want).max() < 2e-3
+
+
 def test_amx_attention_is_attention_in_bf16_and_odd_key_counts_keep_iree():
     from sdiree.compile.exporters.amx_matmul import register
     from sdiree.compile.exporters.attention import chunked_attention
