@@ -40,8 +40,13 @@ def kernel_source(name: str) -> Path:
 
 
 def source_hash(name: str) -> str:
-    """sha256 of a kernel's source (part of the export's cache key)."""
-    return hashlib.sha256(kernel_source(name).read_bytes()).hexdigest()
+    """sha256 of a kernel's source and of the headers beside it, which kernels include (part of
+    the export's cache key)."""
+    source = kernel_source(name)
+    h = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        h.update(header.name.encode() + b"\0" + header.read_bytes())
+    return h.hexdigest()
 
 
 def c_compiler() -> str | None:

@@ -18,8 +18,10 @@ from sdiree.runtime.targets import UNET_ONLY_EXPORT
 # 7: under `sdpa`, layers with `upcast_attention` (SD 2.x) attend in fp32; 8: the VAE encoder
 # returns the latent std beside the mean, so img2img and inpainting sample as diffusers does;
 # 9: the text encoder takes token embeddings and the end-of-text positions instead of ids
-# (textual-inversion embeddings at run time, runtime/text_inputs.py).
-EXPORTER_REVISION = 9
+# (textual-inversion embeddings at run time, runtime/text_inputs.py); 10: under `matmul_kernel:
+# amx`, attention as one fused kernel dispatch, batched Winograd products and im2col matmuls on
+# the AMX kernel, and under `linear: amx` a GEGLU as one kernel dispatch.
+EXPORTER_REVISION = 10
 # Bumped when weights derived at export (Winograd) are computed differently, so that cached
 # derived archives written before are written again (compile/driver.py). 2: rounded once to the
 # export dtype; before, an fp16 file compiled in fp32 had its transformed weights rounded to fp16

@@ -19,7 +19,17 @@ from __future__ import annotations
 import torch
 
 KERNEL = "amx_bf16_matmul"
-ISA_FLAGS = ("-mamx-tile", "-mamx-bf16")
+# what the kernels use: AMX's tiles, and AVX-512 (with bf16 conversions) for their epilogues;
+# every CPU with AMX has them
+ISA_FLAGS = (
+    "-mamx-tile",
+    "-mamx-bf16",
+    "-mavx512f",
+    "-mavx512dq",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512bf16",
+)
 # one workgroup's block of C: the kernel's SDIREE_AMX_MB x SDIREE_AMX_NB (its defaults)
 BLOCK_M, BLOCK_N = 128, 64
 MULTIPLE = 32

@@ -19,18 +19,9 @@ import math
 
 import torch
 
-from .amx_matmul import MULTIPLE, pack_b, template_loader, unpack_b
+from .amx_matmul import ISA_FLAGS, MULTIPLE, pack_b, template_loader, unpack_b
 
 KERNEL = "amx_bf16_attention"
-ISA_FLAGS = (
-    "-mamx-tile",
-    "-mamx-bf16",
-    "-mavx512f",
-    "-mavx512dq",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512bf16",
-)
 QUERY_BLOCK = 32  # the kernel's QB: queries a workgroup
 MAX_DIM = 160  # the kernel's DV_MAX
 # q is scaled by this too: the kernel's softmax takes powers of 2 (2^(s log2 e) = e^s)

@@ -7,11 +7,11 @@ encoder computes them at compile, so the module reads the packed bf16 weight fro
 archive, as it reads its data-tiled packs. Linears whose sizes do not fit (a token count not a
 multiple of 32, as the text's 77 tokens) keep their own forward, and iree's bf16 path.
 
-A GEGLU feed-forward (diffusers' `proj` to value and gate halves, `value * gelu(gate)`) takes
-its two halves as two kernel products (`geglu_forward`): on the whole projection, iree cannot
-fuse the bias into the two half-width consumers and adds it in a pass of its own over the
-[tokens, 2 x inner] f32 result (SD 1.5's 64x64 level: 84 MB written and read again, ~40 ms a
-block); per half, bias, GELU and product fuse into one pass.
+A GEGLU feed-forward (diffusers' `proj` to value and gate halves, `value * gelu(gate)`) is one
+dispatch to the kernel's GEGLU form (geglu_amx.py), which keeps both halves in the workgroup and
+writes only the bf16 result: on the whole projection, iree added the bias in a pass of its own
+over the [tokens, 2 x inner] f32 result, then GELU and product in another (SD 1.5's 64x64 level:
+~250 MB of memory traffic a block).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from .amx_matmul import MULTIPLE, amx_matmul, fits, pack_b, register
+from .geglu_amx import amx_geglu
+from .geglu_amx import register as register_geglu
 
 
 def fits_linear(linear: torch.nn.Linear) -> bool:
@@ -43,6 +45,13 @@ def _amx_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def geglu_amx_forward(geglu: torch.nn.Module):
+    """The forward to bind to a GEGLU under `amx` (the kernel's ops registered)."""
+    register()
+    register_geglu()
+    return geglu_forward
+
+
 def is_geglu(module: torch.nn.Module) -> bool:
     return type(module).__name__ == "GEGLU" and isinstance(
         getattr(module, "proj", None), torch.nn.Linear
@@ -50,17 +59,13 @@ def is_geglu(module: torch.nn.Module) -> bool:
 
 
 def geglu_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """diffusers GEGLU's forward with its projection's halves as two kernel products (where the
-    rows fit; else the projection's own forward, then the chunk)."""
+    """diffusers GEGLU's forward as one dispatch to the kernel's GEGLU form (where the rows fit;
+    else the projection's own forward, then the chunk)."""
     proj = self.proj
     x2 = x.reshape(-1, x.shape[-1])
     inner = proj.out_features // 2
     if not (fits(x2.shape[0], inner, proj.in_features) and fits_linear(proj)):
         value, gate = proj(x).chunk(2, dim=-1)
         return value * F.gelu(gate)
-    xb = x2.to(torch.bfloat16)
-    value = amx_matmul(xb, pack_b(proj.weight[:inner]))
-    gate = amx_matmul(xb, pack_b(proj.weight[inner:]))
-    if proj.bias is not None:
-        value, gate = value + proj.bias[:inner], gate + proj.bias[inner:]
-    return (value * F.gelu(gate)).reshape(*x.shape[:-1], inner)
+    y = amx_geglu(x2, proj.weight, proj.bias).float()  # exact: the next linear casts it back
+    return y.reshape(*x.shape[:-1], inner)

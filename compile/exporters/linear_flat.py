@@ -21,7 +21,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from .linear_amx import amx_forward, fits_linear, geglu_forward, is_geglu
+from .linear_amx import amx_forward, fits_linear, geglu_amx_forward, is_geglu
 from .linear_panels import has_panels, heads_merged_inputs, panels_forward
 
 LINEAR_CHOICES = ("native", "flat", "panels", "amx")
@@ -47,7 +47,7 @@ def set_linear_lowering(model: torch.nn.Module, choice: str) -> int:
         if is_geglu(m):
             m.__dict__.pop("forward", None)
             if choice == "amx" and fits_linear(m.proj):
-                m.forward = types.MethodType(geglu_forward, m)
+                m.forward = types.MethodType(geglu_amx_forward(m), m)
         if not isinstance(m, torch.nn.Linear):
             continue
         m.__dict__.pop("forward", None)  # the class's own forward again

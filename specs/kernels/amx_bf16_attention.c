@@ -4,9 +4,9 @@
    (256 queries x 4096 keys, f32: 4 MiB) to memory and reads it back three times (max, exp, the
    product with V): at SD 1.5's 64x64 level that is ~18 GB of traffic a UNet call, more than the
    products cost on AMX. Here a workgroup keeps its scores in L1: keys are taken a block of KB at
-   a time, the softmax is the online one (running row max m and sum l, the output rescaled when m
-   passes its reference by more than SLACK), and both products run on AMX tiles. The exporter (compile/exporters/attention_amx.py)
-   sends self-attention without a mask here.
+   a time, the softmax is the online one (running row max m and sum l, the output rescaled when
+   a row's scores pass its reference m by more than SLACK), and both products run on AMX tiles.
+   The exporter (compile/exporters/attention_amx.py) sends attention without a mask here.
 
    Layouts, per head h of BH (the workgroup grid is (NQ / 32, BH)):
      q  [BH][NQ][D] bf16, already scaled, D a multiple of 32 (zero-padded head dim);
@@ -21,53 +21,18 @@
 
    Built freestanding like amx_bf16_matmul.c (compile/kernel_objects.py). Its stack frame is
    ~45 KB (iree's task workers have 128 KB). */
-#include <immintrin.h>
-#include <stddef.h>
-#include <stdint.h>
+#include "amx_support.h"
 
 #define QB 32        /* queries a workgroup */
 #define KB 128       /* keys a step of the online softmax */
 #define DV_MAX 160
 #define SLACK 8.0f   /* how far (base 2) scores may pass a row's reference max */
 
-typedef struct {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-} tile_config;
-
-static volatile int amx_permitted;
-
-static void request_amx(void) {
-  if (amx_permitted) return;
-  long ret;
-  __asm__ volatile("syscall"
-                   : "=a"(ret)
-                   : "a"(158L), "D"(0x1023L), "S"(18L)
-                   : "rcx", "r11", "memory");
-  amx_permitted = ret == 0;
-}
-
-/* 2^x for x <= SLACK (scores minus their row's reference max, in base-2 units: the exporter scales q by
-   log2(e)), relative error below 3e-6 (Taylor to degree 5 of 2^r, |r| <= 1/2; far below bf16's
-   rounding of the result). Large negative x give 0 (vscalefps underflows). */
-static inline __m512 exp2_small(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.3333558e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, const uint16_t *k,
                                         size_t k_offset, const uint16_t *v, size_t v_offset,
                                         float *o, size_t o_offset, size_t NQ, size_t NK, size_t D,
                                         size_t DV, size_t DO, size_t wg_q, size_t wg_h) {
-  request_amx();
+  sdiree_request_amx();
   const size_t q0 = wg_q * QB;
   const uint8_t *qh = (const uint8_t *)(q + q_offset + (wg_h * NQ + q0) * D);
   const uint8_t *kh = (const uint8_t *)(k + k_offset + wg_h * NK * D);
@@ -84,15 +49,7 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
     for (size_t c = 0; c < DV; c += 16) _mm512_store_ps(&acc[r][c], _mm512_setzero_ps());
   }
 
-  tile_config cfg;
-  uint8_t *raw = (uint8_t *)&cfg;
-  for (size_t i = 0; i < sizeof cfg; ++i) raw[i] = 0;
-  cfg.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
+  sdiree_configure_tiles();
 
   const size_t ldq = D * 2, k_strip = D * 32, v_strip = NK * 32; /* bytes */
   for (size_t kb = 0; kb < NK; kb += KB) {
@@ -140,7 +97,7 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
       for (int r = 0; r < QB; r += 16) {
         const __m512 x = _mm512_loadu_ps(&alpha[r]);
         const __mmask16 moved = _mm512_cmp_ps_mask(x, _mm512_set1_ps(1.0f), _CMP_NEQ_OQ);
-        _mm512_storeu_ps(&alpha[r], _mm512_mask_blend_ps(moved, x, exp2_small(x)));
+        _mm512_storeu_ps(&alpha[r], _mm512_mask_blend_ps(moved, x, sdiree_exp2(x)));
       }
       for (int r = 0; r < QB; ++r) {
         if (alpha[r] == 1.0f) continue;
@@ -154,8 +111,8 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
       const __m512 mv = _mm512_set1_ps(m[r]);
       __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
       for (size_t c = 0; c < len; c += 32) {
-        const __m512 e0 = exp2_small(_mm512_sub_ps(_mm512_load_ps(&s[r][c]), mv));
-        const __m512 e1 = exp2_small(_mm512_sub_ps(_mm512_load_ps(&s[r][c + 16]), mv));
+        const __m512 e0 = sdiree_exp2(_mm512_sub_ps(_mm512_load_ps(&s[r][c]), mv));
+        const __m512 e1 = sdiree_exp2(_mm512_sub_ps(_mm512_load_ps(&s[r][c + 16]), mv));
         _mm256_store_si256((__m256i *)&p[r][c], (__m256i)_mm512_cvtneps_pbh(e0));
         _mm256_store_si256((__m256i *)&p[r][c + 16], (__m256i)_mm512_cvtneps_pbh(e1));
         sum0 = _mm512_add_ps(sum0, e0);

@@ -12,10 +12,11 @@
    Built freestanding (no libc, no TLS) for iree's embedded ELF executables by
    compile/kernel_objects.py and linked into the module as a `hal.executable.object`. The
    workgroup grid is (N / NB, M / MB): each call computes one MB x NB block of C, 32 x 32 at a
-   time in four accumulator tiles (0-3), two A tiles (4, 5) and two B tiles (6, 7). */
-#include <immintrin.h>
-#include <stddef.h>
-#include <stdint.h>
+   time in four accumulator tiles (0-3), two A tiles (4, 5) and two B tiles (6, 7).
+
+   Also here: the GEGLU form (sdiree_amx_bf16_geglu_workgroup, below), a matmul whose epilogue
+   adds the bias and applies GEGLU's gate before anything leaves the workgroup. */
+#include "amx_support.h"
 
 #ifndef SDIREE_AMX_MB
 #define SDIREE_AMX_MB 128
@@ -24,42 +25,14 @@
 #define SDIREE_AMX_NB 64
 #endif
 
-typedef struct {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-} tile_config;
-
-static volatile int amx_permitted;
-
-/* Linux grants a process AMX's tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
-   XFEATURE_XTILEDATA); it holds for every thread of the process, and asking again is harmless. */
-static void request_amx(void) {
-  if (amx_permitted) return;
-  long ret;
-  __asm__ volatile("syscall"
-                   : "=a"(ret)
-                   : "a"(158L), "D"(0x1023L), "S"(18L)
-                   : "rcx", "r11", "memory");
-  amx_permitted = ret == 0;
-}
-
 int sdiree_amx_bf16_matmul_workgroup(const uint16_t *a, size_t a_offset, const uint16_t *b,
                                      size_t b_offset, float *c, size_t c_offset, size_t M,
                                      size_t N, size_t K, size_t wg_n, size_t wg_m) {
-  request_amx();
+  sdiree_request_amx();
   a += a_offset;
   b += b_offset;
   c += c_offset;
-  tile_config cfg;
-  uint8_t *raw = (uint8_t *)&cfg;
-  for (size_t i = 0; i < sizeof cfg; ++i) raw[i] = 0;
-  cfg.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
+  sdiree_configure_tiles();
   const size_t m_begin = wg_m * SDIREE_AMX_MB, n_begin = wg_n * SDIREE_AMX_NB;
   const size_t m_end = m_begin + SDIREE_AMX_MB < M ? m_begin + SDIREE_AMX_MB : M;
   const size_t n_end = n_begin + SDIREE_AMX_NB < N ? n_begin + SDIREE_AMX_NB : N;
@@ -89,6 +62,86 @@ int sdiree_amx_bf16_matmul_workgroup(const uint16_t *a, size_t a_offset, const u
       _tile_stored(1, c0 + 64, ldc);
       _tile_stored(2, c0 + 16 * ldc, ldc);
       _tile_stored(3, c0 + 16 * ldc + 64, ldc);
+    }
+  }
+  _tile_release();
+  return 0;
+}
+
+/* erf(x) (Abramowitz & Stegun 7.1.26: |error| <= 1.5e-7), 16 at a time. */
+static inline __m512 erf16(__m512 x) {
+  const __m512 ax = _mm512_abs_ps(x);
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(ax, _mm512_set1_ps(0.3275911f), one));
+  __m512 y = _mm512_set1_ps(1.061405429f);
+  y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(-1.453152027f));
+  y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(1.421413741f));
+  y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(-0.284496736f));
+  y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(0.254829592f));
+  y = _mm512_mul_ps(y, t);
+  /* e^(-x^2) = 2^(-x^2 log2 e) */
+  const __m512 z = _mm512_mul_ps(_mm512_mul_ps(ax, ax), _mm512_set1_ps(-1.44269504f));
+  const __m512 e = sdiree_exp2(_mm512_max_ps(z, _mm512_set1_ps(-126.0f)));
+  const __m512 v = _mm512_fnmadd_ps(y, e, one); /* erf(|x|) */
+  return _mm512_castsi512_ps(_mm512_or_si512(
+      _mm512_castps_si512(v),
+      _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u))));
+}
+
+/* GEGLU on AMX: out[M, N / 2] (bf16) = (x W_v^T + b_v) * gelu(x W_g^T + b_g), one workgroup's
+   block of rows x 32 outputs. B packs W interleaved by 32 rows (value 32, gate 32, value 32,
+   ...), bias likewise, so a workgroup's 64 packed columns are one output block's value and gate;
+   the grid is (N / 64, M / MB). gelu is the exact one, x * (1 + erf(x / sqrt 2)) / 2. */
+int sdiree_amx_bf16_geglu_workgroup(const uint16_t *a, size_t a_offset, const uint16_t *b,
+                                    size_t b_offset, const float *bias, size_t bias_offset,
+                                    uint16_t *out, size_t out_offset, size_t M, size_t N,
+                                    size_t K, size_t wg_n, size_t wg_m) {
+  sdiree_request_amx();
+  a += a_offset;
+  b += b_offset;
+  bias += bias_offset + wg_n * 64;
+  out += out_offset + wg_n * 32;
+  sdiree_configure_tiles();
+  float vg[2][32][32] __attribute__((aligned(64))); /* value, gate: one 32 x 32 block each */
+  const size_t m_begin = wg_m * SDIREE_AMX_MB;
+  const size_t m_end = m_begin + SDIREE_AMX_MB < M ? m_begin + SDIREE_AMX_MB : M;
+  const size_t lda = K * 2, strip = K * 32, ldo = N / 2;
+  const uint8_t *bw = (const uint8_t *)b + wg_n * 4 * strip;
+  for (size_t m = m_begin; m < m_end; m += 32) {
+    const uint8_t *a0 = (const uint8_t *)(a + m * K);
+    const uint8_t *a1 = a0 + 16 * lda;
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t *b0 = bw + half * 2 * strip, *b1 = b0 + strip;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (size_t k = 0; k < K; k += 32) {
+        _tile_loadd(4, a0 + k * 2, lda);
+        _tile_loadd(6, b0 + k * 32, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, b1 + k * 32, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, a1 + k * 2, lda);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, &vg[half][0][0], 128);
+      _tile_stored(1, &vg[half][0][16], 128);
+      _tile_stored(2, &vg[half][16][0], 128);
+      _tile_stored(3, &vg[half][16][16], 128);
+    }
+    for (int r = 0; r < 32; ++r) {
+      for (int c = 0; c < 32; c += 16) {
+        const __m512 v = _mm512_add_ps(_mm512_load_ps(&vg[0][r][c]), _mm512_loadu_ps(bias + c));
+        const __m512 g =
+            _mm512_add_ps(_mm512_load_ps(&vg[1][r][c]), _mm512_loadu_ps(bias + 32 + c));
+        const __m512 e = erf16(_mm512_mul_ps(g, _mm512_set1_ps(0.70710678f)));
+        const __m512 h = _mm512_mul_ps(_mm512_mul_ps(g, _mm512_set1_ps(0.5f)),
+                                       _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
+        _mm256_storeu_si256((__m256i *)(out + (m + r) * ldo + c),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, h)));
+      }
     }
   }
   _tile_release();

@@ -1,0 +1,161 @@
+"""A GEGLU feed-forward's projection and gate traced as one dispatch to sdiree's AMX kernel
+(`sdiree_amx_bf16_geglu_workgroup` in specs/kernels/amx_bf16_matmul.c): out = (x W_v^T + b_v) *
+gelu(x W_g^T + b_g), bf16, the GELU the exact one.
+
+As two kernel products and an elementwise pass, SD 1.5's 64x64 level wrote the two [8192, 1280]
+f32 halves to memory and read them back (168 MB a block); here each workgroup keeps its value and
+gate blocks in L1 and writes only the bf16 result, which the next linear reads as its bf16 input.
+The weight is packed interleaved by 32 rows (value 32, gate 32, ...), the bias likewise, so one
+workgroup's 64 packed columns are one block of 32 outputs' value and gate: constant expressions
+of the parameters, which the parameter encoder computes at compile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .amx_matmul import BLOCK_M, KERNEL, MULTIPLE, object_path, pack_b, template_loader, unpack_b
+
+# one workgroup's packed columns: 32 outputs' value and gate
+BLOCK_N = 2 * MULTIPLE
+
+
+def interleave(t: torch.Tensor, inner: int) -> torch.Tensor:
+    """[2 * inner, ...] (value rows, then gate rows) interleaved by 32 rows."""
+    v = t[:inner].reshape(inner // MULTIPLE, MULTIPLE, *t.shape[1:])
+    g = t[inner:].reshape(inner // MULTIPLE, MULTIPLE, *t.shape[1:])
+    return torch.stack([v, g], dim=1).reshape(t.shape)
+
+
+def amx_geglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] (cast to bf16) through a GEGLU projection weight [2 * inner, K] and bias: [M,
+    inner] bf16 (`register()` first, outside a trace)."""
+    if _OP is None:
+        raise RuntimeError("amx_geglu: call register() before tracing")
+    inner = weight.shape[0] // 2
+    if bias is None:
+        bias = torch.zeros(weight.shape[0], dtype=torch.float32)
+    return _OP(x.to(torch.bfloat16), pack_b(interleave(weight, inner)), interleave(bias, inner))
+
+
+_OP = None
+
+
+def register() -> None:
+    """Register the custom op with torch (once a process)."""
+    global _OP
+    if _OP is None:
+        _OP = _make_op()
+
+
+_TEMPLATE = """
+#x86 = #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64">
+module {{
+  stream.executable private @{name}_exe attributes {{hal.executable.objects =
+      #hal.executable.objects<{{#x86 = [#hal.executable.object<{{path = "{path}"}}>]}}>}} {{
+    stream.executable.export public @{name} workgroups(%m: index, %n: index)
+        -> (index, index, index) {{
+      %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_n})>()[%n]
+      %y = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_m})>()[%m]
+      %c1 = arith.constant 1 : index
+      stream.return %x, %y, %c1 : index, index, index
+    }}
+    builtin.module {{
+      func.func private @sdiree_amx_bf16_geglu_workgroup(memref<bf16>, index, memref<bf16>,
+          index, memref<f32>, index, memref<bf16>, index, index, index, index, index, index)
+          -> i32 attributes {{hal.import.static, llvm.bareptr = true}}
+      func.func @{name}(%a: !stream.binding, %b: !stream.binding, %bias: !stream.binding,
+          %o: !stream.binding, %M: index, %N: index, %K: index) {{
+        %c0 = arith.constant 0 : index
+        %c2 = arith.constant 2 : index
+        %wn = stream.dispatch.workgroup.id[0] : index
+        %wm = stream.dispatch.workgroup.id[1] : index
+        %sa = arith.muli %M, %K : index
+        %sb = arith.muli %N, %K : index
+        %mn = arith.muli %M, %N : index
+        %so = arith.divui %mn, %c2 : index
+        %am = stream.binding.subspan %a[%c0] : !stream.binding -> memref<?xbf16>{{%sa}}
+        %bm = stream.binding.subspan %b[%c0] : !stream.binding -> memref<?xbf16>{{%sb}}
+        %cm = stream.binding.subspan %bias[%c0] : !stream.binding -> memref<?xf32>{{%N}}
+        %om = stream.binding.subspan %o[%c0] : !stream.binding -> memref<?xbf16>{{%so}}
+        %ab, %ao, %as, %at = iree_codegen.extract_strided_metadata %am
+            : memref<?xbf16> -> memref<bf16>, index, index, index
+        %bb, %bo, %bs, %bt = iree_codegen.extract_strided_metadata %bm
+            : memref<?xbf16> -> memref<bf16>, index, index, index
+        %cb, %co, %cs, %ct = iree_codegen.extract_strided_metadata %cm
+            : memref<?xf32> -> memref<f32>, index, index, index
+        %ob, %oo, %os, %ot = iree_codegen.extract_strided_metadata %om
+            : memref<?xbf16> -> memref<bf16>, index, index, index
+        %r = func.call @sdiree_amx_bf16_geglu_workgroup(%ab, %ao, %bb, %bo, %cb, %co, %ob, %oo,
+            %M, %N, %K, %wn, %wm) : (memref<bf16>, index, memref<bf16>, index, memref<f32>,
+            index, memref<bf16>, index, index, index, index, index, index) -> i32
+        return
+      }}
+    }}
+  }}
+  util.func private @{name}(%a: tensor<{m}x{k}xbf16>, %b: tensor<{j}x{k2}x16x2xbf16>,
+      %bias: tensor<{n}xf32>) -> tensor<{m}x{inner}xbf16> {{
+    %m = arith.constant {m} : index
+    %n = arith.constant {n} : index
+    %k = arith.constant {k} : index
+    %0 = flow.dispatch @{name}_exe::@{name}[%m, %n](%a, %b, %bias, %m, %n, %k)
+        : (tensor<{m}x{k}xbf16>, tensor<{j}x{k2}x16x2xbf16>, tensor<{n}xf32>, index, index,
+           index) -> tensor<{m}x{inner}xbf16>
+    util.return %0 : tensor<{m}x{inner}xbf16>
+  }}
+}}
+"""
+
+
+def _eager(a: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    y = a.float() @ unpack_b(packed).float() + bias  # interleaved columns
+    m, n = y.shape
+    y = y.reshape(m, n // BLOCK_N, 2, MULTIPLE)
+    value, gate = y[:, :, 0].reshape(m, n // 2), y[:, :, 1].reshape(m, n // 2)
+    return (value * torch.nn.functional.gelu(gate)).to(torch.bfloat16)
+
+
+def _make_op():
+    from iree.turbine.runtime.op_reg import CustomOp, def_library, impl_helper
+    from iree.turbine.support.ir_imports import RankedTensorType
+
+    loader = template_loader(_TEMPLATE)
+
+    @CustomOp.register(library=def_library("sdiree_amx_geglu"))
+    class amx_bf16_geglu(CustomOp):
+        signature = "amx_bf16_geglu(Tensor a, Tensor b, Tensor bias) -> (Tensor)"
+
+        def select(self, ksel):
+            a = ksel.arg_tensor(0)
+            b = ksel.arg_tensor(1)
+            bias = ksel.arg_tensor(2)
+            for t in (a, b, bias):
+                t.specialize_all_dims()
+            out = ksel.return_new_tensor([a.t.shape[0], b.t.shape[0] * 8], torch.bfloat16)
+            out.specialize_all_dims()
+
+        def eager_execute(self, a, b, bias):
+            return _eager(a, b, bias)
+
+        def generate(self, ksel, kb):
+            m, k = RankedTensorType(kb.arg_bindings[0].type).shape
+            j, k2 = RankedTensorType(kb.arg_bindings[1].type).shape[:2]
+            name = f"sdiree_amx_geglu_{m}x{k}x{j * 16}"
+            func = loader.inline_template_function(
+                kb,
+                KERNEL,
+                name,
+                name=name,
+                path=object_path(),
+                block_m=BLOCK_M,
+                block_n=BLOCK_N,
+                m=m,
+                k=k,
+                n=j * 16,
+                inner=j * 8,
+                j=j,
+                k2=k2,
+            )
+            kb.yield_results(*impl_helper.call_function(func, *kb.arg_bindings))
+
+    return amx_bf16_geglu
