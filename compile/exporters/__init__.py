@@ -71,8 +71,17 @@ def uses_amx(options: dict) -> bool:
     return options.get("linear") == "amx" or options.get("matmul_kernel") == "amx"
 
 
-# the CPU features sdiree's AMX kernel executes (the manifest's `cpu_requires`)
-AMX_FEATURES = ("amx_bf16", "amx_tile")
+# the CPU features sdiree's AMX kernels execute (the manifest's `cpu_requires`): AMX's tiles, and
+# the AVX-512 of their epilogues (kernels/amx_support.h; every CPU with AMX has it so far)
+AMX_FEATURES = (
+    "amx_bf16",
+    "amx_tile",
+    "avx512_bf16",
+    "avx512bw",
+    "avx512dq",
+    "avx512f",
+    "avx512vl",
+)
 
 
 def cpu_requires(options_by_submodule) -> list[str]:

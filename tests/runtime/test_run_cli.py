@@ -249,12 +249,15 @@ def test_cpu_features_the_kernels_need_are_checked(art_copy, tmp_path):
 
 
 def test_an_amx_artifact_says_what_it_needs(compiled):
-    """A host bf16 artifact lists the AMX features where its export links the AMX kernel."""
+    """A host bf16 artifact lists the features of the AMX kernels where its export links them:
+    AMX's, and the AVX-512 of the kernels' epilogues."""
     from sdiree.runtime.cpu_features import host_cpu_features
 
     m = json.loads((compiled.get("cpu", "host", "bf16") / "manifest.json").read_text())
     amx = {"amx_bf16", "amx_tile"} <= host_cpu_features()
-    assert m["target"].get("cpu_requires") == (["amx_bf16", "amx_tile"] if amx else None)
+    needs = ["amx_bf16", "amx_tile", "avx512_bf16", "avx512bw", "avx512dq", "avx512f", "avx512vl"]
+    assert m["target"].get("cpu_requires") == (needs if amx else None)
+    assert not amx or set(needs) <= host_cpu_features()  # names as this machine reports them
     assert (m["submodules"]["unet"]["export"].get("linear") == "amx") == amx
 
 
