@@ -57,24 +57,9 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
     /* s = q k^T for keys [kb, kb + len), 32 x 32 at a time */
     for (size_t n = 0; n < len; n += 32) {
       const uint8_t *b0 = kh + ((kb + n) / 16) * k_strip;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (size_t d = 0; d < D; d += 32) {
-        _tile_loadd(4, qh + d * 2, ldq);
-        _tile_loadd(6, b0 + d * 32, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, b0 + k_strip + d * 32, 64);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, qh + 16 * ldq + d * 2, ldq);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      _tile_stored(0, &s[0][n], KB * 4);
-      _tile_stored(1, &s[0][n + 16], KB * 4);
-      _tile_stored(2, &s[16][n], KB * 4);
-      _tile_stored(3, &s[16][n + 16], KB * 4);
+      sdiree_zero_32x32();
+      sdiree_dp_32x32(qh, ldq, b0, b0 + k_strip, D);
+      sdiree_store_32x32(&s[0][n], KB * 4);
     }
     /* the online softmax, a phase at a time over the 32 rows (each phase's rows independent, so
        their reductions overlap): a row's reference m moves only when its scores pass it by more
@@ -123,24 +108,9 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
     /* acc += p v for the same keys */
     for (size_t n = 0; n < DV; n += 32) {
       const uint8_t *b0 = vh + (n / 16) * v_strip + kb * 32;
-      _tile_loadd(0, &acc[0][n], DV_MAX * 4);
-      _tile_loadd(1, &acc[0][n + 16], DV_MAX * 4);
-      _tile_loadd(2, &acc[16][n], DV_MAX * 4);
-      _tile_loadd(3, &acc[16][n + 16], DV_MAX * 4);
-      for (size_t kk = 0; kk < len; kk += 32) {
-        _tile_loadd(4, &p[0][kk], KB * 2);
-        _tile_loadd(6, b0 + kk * 32, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, b0 + v_strip + kk * 32, 64);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, &p[16][kk], KB * 2);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      _tile_stored(0, &acc[0][n], DV_MAX * 4);
-      _tile_stored(1, &acc[0][n + 16], DV_MAX * 4);
-      _tile_stored(2, &acc[16][n], DV_MAX * 4);
-      _tile_stored(3, &acc[16][n + 16], DV_MAX * 4);
+      sdiree_load_32x32(&acc[0][n], DV_MAX * 4);
+      sdiree_dp_32x32(&p[0][0], KB * 2, b0, b0 + v_strip, len);
+      sdiree_store_32x32(&acc[0][n], DV_MAX * 4);
     }
   }
   _tile_release();

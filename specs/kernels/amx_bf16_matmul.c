@@ -41,27 +41,9 @@ int sdiree_amx_bf16_matmul_workgroup(const uint16_t *a, size_t a_offset, const u
     const uint8_t *b0 = (const uint8_t *)b + (n / 16) * strip;
     const uint8_t *b1 = b0 + strip;
     for (size_t m = m_begin; m < m_end; m += 32) {
-      const uint8_t *a0 = (const uint8_t *)(a + m * K);
-      const uint8_t *a1 = a0 + 16 * lda;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (size_t k = 0; k < K; k += 32) {
-        _tile_loadd(4, a0 + k * 2, lda);
-        _tile_loadd(6, b0 + k * 32, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, b1 + k * 32, 64);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, a1 + k * 2, lda);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      uint8_t *c0 = (uint8_t *)(c + m * N + n);
-      _tile_stored(0, c0, ldc);
-      _tile_stored(1, c0 + 64, ldc);
-      _tile_stored(2, c0 + 16 * ldc, ldc);
-      _tile_stored(3, c0 + 16 * ldc + 64, ldc);
+      sdiree_zero_32x32();
+      sdiree_dp_32x32(a + m * K, lda, b0, b1, K);
+      sdiree_store_32x32(c + m * N + n, ldc);
     }
   }
   _tile_release();
@@ -108,28 +90,11 @@ int sdiree_amx_bf16_geglu_workgroup(const uint16_t *a, size_t a_offset, const ui
   const size_t lda = K * 2, strip = K * 32, ldo = N / 2;
   const uint8_t *bw = (const uint8_t *)b + wg_n * 4 * strip;
   for (size_t m = m_begin; m < m_end; m += 32) {
-    const uint8_t *a0 = (const uint8_t *)(a + m * K);
-    const uint8_t *a1 = a0 + 16 * lda;
     for (int half = 0; half < 2; ++half) {
-      const uint8_t *b0 = bw + half * 2 * strip, *b1 = b0 + strip;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (size_t k = 0; k < K; k += 32) {
-        _tile_loadd(4, a0 + k * 2, lda);
-        _tile_loadd(6, b0 + k * 32, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, b1 + k * 32, 64);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, a1 + k * 2, lda);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      _tile_stored(0, &vg[half][0][0], 128);
-      _tile_stored(1, &vg[half][0][16], 128);
-      _tile_stored(2, &vg[half][16][0], 128);
-      _tile_stored(3, &vg[half][16][16], 128);
+      const uint8_t *b0 = bw + half * 2 * strip;
+      sdiree_zero_32x32();
+      sdiree_dp_32x32(a + m * K, lda, b0, b0 + strip, K);
+      sdiree_store_32x32(&vg[half][0][0], 128);
     }
     for (int r = 0; r < 32; ++r) {
       for (int c = 0; c < 32; c += 16) {

@@ -41,6 +41,50 @@ static inline void sdiree_configure_tiles(void) {
   _tile_loadconfig(&cfg);
 }
 
+/* The 32 x 32 block every kernel computes, in accumulator tiles 0-3 (rows 0-15 and 16-31, columns
+   0-15 and 16-31): zeroed, loaded from or stored to c (row stride ldc bytes), and
+   += A x B over `depth` (a multiple of 32): A's 32 rows at a (row stride lda bytes, bf16), B two
+   16-column strips b0 and b1 packed for AMX (rows of 64 bytes: pairs of depth). Tiles 4-5 hold
+   A, 6-7 B. */
+static inline void sdiree_zero_32x32(void) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+static inline void sdiree_load_32x32(const void *c, size_t ldc) {
+  const uint8_t *p = (const uint8_t *)c;
+  _tile_loadd(0, p, ldc);
+  _tile_loadd(1, p + 64, ldc);
+  _tile_loadd(2, p + 16 * ldc, ldc);
+  _tile_loadd(3, p + 16 * ldc + 64, ldc);
+}
+
+static inline void sdiree_store_32x32(void *c, size_t ldc) {
+  uint8_t *p = (uint8_t *)c;
+  _tile_stored(0, p, ldc);
+  _tile_stored(1, p + 64, ldc);
+  _tile_stored(2, p + 16 * ldc, ldc);
+  _tile_stored(3, p + 16 * ldc + 64, ldc);
+}
+
+static inline void sdiree_dp_32x32(const void *a, size_t lda, const void *b0, const void *b1,
+                                   size_t depth) {
+  const uint8_t *a0 = (const uint8_t *)a, *a1 = a0 + 16 * lda;
+  const uint8_t *s0 = (const uint8_t *)b0, *s1 = (const uint8_t *)b1;
+  for (size_t k = 0; k < depth; k += 32) {
+    _tile_loadd(4, a0 + k * 2, lda);
+    _tile_loadd(6, s0 + k * 32, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, s1 + k * 32, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a1 + k * 2, lda);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
 /* 2^x for x <= 8 (relative error below 3e-6: Taylor to degree 5 of 2^r, |r| <= 1/2); very
    negative x give 0 (vscalefps underflows). */
 static inline __m512 sdiree_exp2(__m512 x) {

@@ -160,3 +160,15 @@ def test_a_parameter_load_without_staging_is_retried(cpu_art, tmp_path, monkeypa
     assert out.is_file() and len(opened) == 2
     assert "retrying once" in capsys.readouterr().err
     assert not session.is_device_lost(RuntimeError("FAILED_PRECONDITION; something else"))
+
+
+def test_a_bare_data_loss_while_loading_parameters_is_a_loss_on_gpus_only():
+    """lavapipe, once in a CI run beside a full-size compile; on cpu the same words mean the
+    archive itself is bad, which a fresh device would not mend."""
+    lost = RuntimeError(
+        "Error creating vm context with modules: DATA_LOSS; while invoking native function "
+        "io_parameters.load; while calling import; [ 0] bytecode unet@6:175968 -"
+    )
+    assert session.is_device_lost(lost, gpu=True)
+    assert not session.is_device_lost(lost)
+    assert not session.is_device_lost(RuntimeError("DATA_LOSS; something else"), gpu=True)
