@@ -74,68 +74,38 @@ def register() -> None:
         _OP = _make_op()
 
 
-_TEMPLATE = """
+# What every template of a hand-written kernel starts with: the module, and the stream executable
+# naming the kernel's object for every x86-64 llvm-cpu target (no configuration: it matches the
+# host's and any named CPU's).
+TEMPLATE_HEAD = """
 #x86 = #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64">
 module {{
   stream.executable private @{name}_exe attributes {{hal.executable.objects =
       #hal.executable.objects<{{#x86 = [#hal.executable.object<{{path = "{path}"}}>]}}>}} {{
-    stream.executable.export public @{name} workgroups(%m: index, %n: index)
-        -> (index, index, index) {{
-      %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_n})>()[%n]
-      %y = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_m})>()[%m]
-      %c1 = arith.constant 1 : index
-      stream.return %x, %y, %c1 : index, index, index
-    }}
-    builtin.module {{
-      func.func private @sdiree_amx_bf16_matmul_workgroup(memref<bf16>, index, memref<bf16>,
-          index, memref<f32>, index, index, index, index, index, index) -> i32
-          attributes {{hal.import.static, llvm.bareptr = true}}
-      func.func @{name}(%a: !stream.binding, %b: !stream.binding, %c: !stream.binding,
-          %M: index, %N: index, %K: index) {{
-        %c0 = arith.constant 0 : index
-        %wn = stream.dispatch.workgroup.id[0] : index
-        %wm = stream.dispatch.workgroup.id[1] : index
-        %sa = arith.muli %M, %K : index
-        %sb = arith.muli %N, %K : index
-        %sc = arith.muli %M, %N : index
-        %am = stream.binding.subspan %a[%c0] : !stream.binding -> memref<?xbf16>{{%sa}}
-        %bm = stream.binding.subspan %b[%c0] : !stream.binding -> memref<?xbf16>{{%sb}}
-        %cm = stream.binding.subspan %c[%c0] : !stream.binding -> memref<?xf32>{{%sc}}
-        %ab, %ao, %as, %at = iree_codegen.extract_strided_metadata %am
-            : memref<?xbf16> -> memref<bf16>, index, index, index
-        %bb, %bo, %bs, %bt = iree_codegen.extract_strided_metadata %bm
-            : memref<?xbf16> -> memref<bf16>, index, index, index
-        %cb, %co, %cs, %ct = iree_codegen.extract_strided_metadata %cm
-            : memref<?xf32> -> memref<f32>, index, index, index
-        %r = func.call @sdiree_amx_bf16_matmul_workgroup(%ab, %ao, %bb, %bo, %cb, %co, %M, %N,
-            %K, %wn, %wm) : (memref<bf16>, index, memref<bf16>, index, memref<f32>, index,
-            index, index, index, index, index) -> i32
-        return
-      }}
-    }}
-  }}
-  util.func private @{name}(%a: tensor<{m}x{k}xbf16>, %b: tensor<{j}x{k2}x16x2xbf16>)
-      -> tensor<{m}x{n}xf32> {{
-    %m = arith.constant {m} : index
-    %n = arith.constant {n} : index
-    %k = arith.constant {k} : index
-    %0 = flow.dispatch @{name}_exe::@{name}[%m, %n](%a, %b, %m, %n, %k)
-        : (tensor<{m}x{k}xbf16>, tensor<{j}x{k2}x16x2xbf16>, index, index, index)
-        -> tensor<{m}x{n}xf32>
-    util.return %0 : tensor<{m}x{n}xf32>
-  }}
-}}
 """
 
 
-# The batched product: the grid's z axis walks the batch, each workgroup's operands offset to its
-# batch element's matrices (the kernel itself is the 2-D one).
-_TEMPLATE_BATCHED = """
-#x86 = #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64">
-module {{
-  stream.executable private @{name}_exe attributes {{hal.executable.objects =
-      #hal.executable.objects<{{#x86 = [#hal.executable.object<{{path = "{path}"}}>]}}>}} {{
-    stream.executable.export public @{name} workgroups(%m: index, %n: index, %b: index)
+def buffer_views(*views: tuple[str, str, str]) -> str:
+    """Template lines (braces doubled, for str.format) that give each binding %<b> (binding,
+    element type, the SSA value of its element count) as the base pointer %<b>_base and element
+    offset %<b>_off that a bare-pointer kernel function takes."""
+    lines = []
+    for b, elem, count in views:
+        lines += [
+            f"        %{b}_m = stream.binding.subspan %{b}[%c0] : !stream.binding"
+            f" -> memref<?x{elem}>{{{{%{count}}}}}",
+            f"        %{b}_base, %{b}_off, %{b}_size, %{b}_stride ="
+            f" iree_codegen.extract_strided_metadata %{b}_m",
+            f"            : memref<?x{elem}> -> memref<{elem}>, index, index, index",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+# One template for a matmul and a batch of them: the grid's z axis walks the batch (1 for a
+# single matmul), each workgroup's operands offset to its batch element's matrices.
+_TEMPLATE = (
+    TEMPLATE_HEAD
+    + """    stream.executable.export public @{name} workgroups(%m: index, %n: index, %b: index)
         -> (index, index, index) {{
       %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_n})>()[%n]
       %y = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_m})>()[%m]
@@ -157,41 +127,33 @@ module {{
         %sa = arith.muli %ea, %B : index
         %sb = arith.muli %eb, %B : index
         %sc = arith.muli %ec, %B : index
-        %am = stream.binding.subspan %a[%c0] : !stream.binding -> memref<?xbf16>{{%sa}}
-        %bm = stream.binding.subspan %b[%c0] : !stream.binding -> memref<?xbf16>{{%sb}}
-        %cm = stream.binding.subspan %c[%c0] : !stream.binding -> memref<?xf32>{{%sc}}
-        %ab, %ao, %as, %at = iree_codegen.extract_strided_metadata %am
-            : memref<?xbf16> -> memref<bf16>, index, index, index
-        %bb, %bo, %bs, %bt = iree_codegen.extract_strided_metadata %bm
-            : memref<?xbf16> -> memref<bf16>, index, index, index
-        %cb, %co, %cs, %ct = iree_codegen.extract_strided_metadata %cm
-            : memref<?xf32> -> memref<f32>, index, index, index
-        %da = arith.muli %wb, %ea : index
+"""
+    + buffer_views(("a", "bf16", "sa"), ("b", "bf16", "sb"), ("c", "f32", "sc"))
+    + """        %da = arith.muli %wb, %ea : index
         %db = arith.muli %wb, %eb : index
         %dc = arith.muli %wb, %ec : index
-        %ao2 = arith.addi %ao, %da : index
-        %bo2 = arith.addi %bo, %db : index
-        %co2 = arith.addi %co, %dc : index
-        %r = func.call @sdiree_amx_bf16_matmul_workgroup(%ab, %ao2, %bb, %bo2, %cb, %co2, %M, %N,
-            %K, %wn, %wm) : (memref<bf16>, index, memref<bf16>, index, memref<f32>, index,
-            index, index, index, index, index) -> i32
+        %ao = arith.addi %a_off, %da : index
+        %bo = arith.addi %b_off, %db : index
+        %co = arith.addi %c_off, %dc : index
+        %r = func.call @sdiree_amx_bf16_matmul_workgroup(%a_base, %ao, %b_base, %bo, %c_base,
+            %co, %M, %N, %K, %wn, %wm) : (memref<bf16>, index, memref<bf16>, index,
+            memref<f32>, index, index, index, index, index, index) -> i32
         return
       }}
     }}
   }}
-  util.func private @{name}(%a: tensor<{bt}x{m}x{k}xbf16>, %b: tensor<{bt}x{j}x{k2}x16x2xbf16>)
-      -> tensor<{bt}x{m}x{n}xf32> {{
+  util.func private @{name}(%a: {a_type}, %b: {b_type}) -> {c_type} {{
     %bt = arith.constant {bt} : index
     %m = arith.constant {m} : index
     %n = arith.constant {n} : index
     %k = arith.constant {k} : index
     %0 = flow.dispatch @{name}_exe::@{name}[%m, %n, %bt](%a, %b, %bt, %m, %n, %k)
-        : (tensor<{bt}x{m}x{k}xbf16>, tensor<{bt}x{j}x{k2}x16x2xbf16>, index, index, index,
-           index) -> tensor<{bt}x{m}x{n}xf32>
-    util.return %0 : tensor<{bt}x{m}x{n}xf32>
+        : ({a_type}, {b_type}, index, index, index, index) -> {c_type}
+    util.return %0 : {c_type}
   }}
 }}
 """
+)
 
 
 def object_path() -> str:
@@ -231,7 +193,6 @@ def _make_op():
     from iree.turbine.support.ir_imports import RankedTensorType
 
     loader = template_loader(_TEMPLATE)
-    batched_loader = template_loader(_TEMPLATE_BATCHED)
 
     @CustomOp.register(library=def_library("sdiree_amx"))
     class amx_bf16_matmul(CustomOp):
@@ -252,21 +213,23 @@ def _make_op():
         def generate(self, ksel, kb):
             *batch, m, k = RankedTensorType(kb.arg_bindings[0].type).shape
             j, k2 = RankedTensorType(kb.arg_bindings[1].type).shape[-4:-2]
-            name = f"sdiree_amx_matmul_{'x'.join(map(str, [*batch, m, k, j * 16]))}"
-            func = (batched_loader if batch else loader).inline_template_function(
+            lead = "".join(f"{d}x" for d in batch)
+            name = f"sdiree_amx_matmul_{lead}{m}x{k}x{j * 16}"
+            func = loader.inline_template_function(
                 kb,
                 KERNEL,
                 name,
                 name=name,
-                bt=batch[0] if batch else 1,
                 path=object_path(),
                 block_m=BLOCK_M,
                 block_n=BLOCK_N,
+                bt=batch[0] if batch else 1,
                 m=m,
                 k=k,
                 n=j * 16,
-                j=j,
-                k2=k2,
+                a_type=f"tensor<{lead}{m}x{k}xbf16>",
+                b_type=f"tensor<{lead}{j}x{k2}x16x2xbf16>",
+                c_type=f"tensor<{lead}{m}x{j * 16}xf32>",
             )
             kb.yield_results(*impl_helper.call_function(func, *kb.arg_bindings))
 

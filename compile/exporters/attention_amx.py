@@ -19,7 +19,15 @@ import math
 
 import torch
 
-from .amx_matmul import ISA_FLAGS, MULTIPLE, pack_b, template_loader, unpack_b
+from .amx_matmul import (
+    ISA_FLAGS,
+    MULTIPLE,
+    TEMPLATE_HEAD,
+    buffer_views,
+    pack_b,
+    template_loader,
+    unpack_b,
+)
 
 KERNEL = "amx_bf16_attention"
 QUERY_BLOCK = 32  # the kernel's QB: queries a workgroup
@@ -65,12 +73,9 @@ def register() -> None:
         _OP = _make_op()
 
 
-_TEMPLATE = """
-#x86 = #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64">
-module {{
-  stream.executable private @{name}_exe attributes {{hal.executable.objects =
-      #hal.executable.objects<{{#x86 = [#hal.executable.object<{{path = "{path}"}}>]}}>}} {{
-    stream.executable.export public @{name} workgroups(%nq: index, %bh: index)
+_TEMPLATE = (
+    TEMPLATE_HEAD
+    + """    stream.executable.export public @{name} workgroups(%nq: index, %bh: index)
         -> (index, index, index) {{
       %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_q})>()[%nq]
       %c1 = arith.constant 1 : index
@@ -92,22 +97,14 @@ module {{
         %sk = arith.muli %hk, %D : index
         %sv = arith.muli %hk, %DV : index
         %so = arith.muli %hq, %DO : index
-        %qm = stream.binding.subspan %q[%c0] : !stream.binding -> memref<?xbf16>{{%sq}}
-        %km = stream.binding.subspan %k[%c0] : !stream.binding -> memref<?xbf16>{{%sk}}
-        %vm = stream.binding.subspan %v[%c0] : !stream.binding -> memref<?xbf16>{{%sv}}
-        %om = stream.binding.subspan %o[%c0] : !stream.binding -> memref<?xf32>{{%so}}
-        %qb, %qo, %qs, %qt = iree_codegen.extract_strided_metadata %qm
-            : memref<?xbf16> -> memref<bf16>, index, index, index
-        %kb, %ko, %ks, %kt = iree_codegen.extract_strided_metadata %km
-            : memref<?xbf16> -> memref<bf16>, index, index, index
-        %vb, %vo, %vs, %vt = iree_codegen.extract_strided_metadata %vm
-            : memref<?xbf16> -> memref<bf16>, index, index, index
-        %ob, %oo, %os, %ot = iree_codegen.extract_strided_metadata %om
-            : memref<?xf32> -> memref<f32>, index, index, index
-        %r = func.call @sdiree_amx_bf16_attention_workgroup(%qb, %qo, %kb, %ko, %vb, %vo, %ob,
-            %oo, %NQ, %NK, %D, %DV, %DO, %wq, %wh) : (memref<bf16>, index, memref<bf16>, index,
-            memref<bf16>, index, memref<f32>, index, index, index, index, index, index, index,
-            index) -> i32
+"""
+    + buffer_views(
+        ("q", "bf16", "sq"), ("k", "bf16", "sk"), ("v", "bf16", "sv"), ("o", "f32", "so")
+    )
+    + """        %r = func.call @sdiree_amx_bf16_attention_workgroup(%q_base, %q_off, %k_base,
+            %k_off, %v_base, %v_off, %o_base, %o_off, %NQ, %NK, %D, %DV, %DO, %wq, %wh)
+            : (memref<bf16>, index, memref<bf16>, index, memref<bf16>, index, memref<f32>,
+            index, index, index, index, index, index, index, index) -> i32
         return
       }}
     }}
@@ -129,6 +126,7 @@ module {{
   }}
 }}
 """
+)
 
 
 def object_path() -> str:

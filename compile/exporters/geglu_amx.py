@@ -14,7 +14,17 @@ from __future__ import annotations
 
 import torch
 
-from .amx_matmul import BLOCK_M, KERNEL, MULTIPLE, object_path, pack_b, template_loader, unpack_b
+from .amx_matmul import (
+    BLOCK_M,
+    KERNEL,
+    MULTIPLE,
+    TEMPLATE_HEAD,
+    buffer_views,
+    object_path,
+    pack_b,
+    template_loader,
+    unpack_b,
+)
 
 # one workgroup's packed columns: 32 outputs' value and gate
 BLOCK_N = 2 * MULTIPLE
@@ -48,12 +58,9 @@ def register() -> None:
         _OP = _make_op()
 
 
-_TEMPLATE = """
-#x86 = #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64">
-module {{
-  stream.executable private @{name}_exe attributes {{hal.executable.objects =
-      #hal.executable.objects<{{#x86 = [#hal.executable.object<{{path = "{path}"}}>]}}>}} {{
-    stream.executable.export public @{name} workgroups(%m: index, %n: index)
+_TEMPLATE = (
+    TEMPLATE_HEAD
+    + """    stream.executable.export public @{name} workgroups(%m: index, %n: index)
         -> (index, index, index) {{
       %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_n})>()[%n]
       %y = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_m})>()[%m]
@@ -74,21 +81,14 @@ module {{
         %sb = arith.muli %N, %K : index
         %mn = arith.muli %M, %N : index
         %so = arith.divui %mn, %c2 : index
-        %am = stream.binding.subspan %a[%c0] : !stream.binding -> memref<?xbf16>{{%sa}}
-        %bm = stream.binding.subspan %b[%c0] : !stream.binding -> memref<?xbf16>{{%sb}}
-        %cm = stream.binding.subspan %bias[%c0] : !stream.binding -> memref<?xf32>{{%N}}
-        %om = stream.binding.subspan %o[%c0] : !stream.binding -> memref<?xbf16>{{%so}}
-        %ab, %ao, %as, %at = iree_codegen.extract_strided_metadata %am
-            : memref<?xbf16> -> memref<bf16>, index, index, index
-        %bb, %bo, %bs, %bt = iree_codegen.extract_strided_metadata %bm
-            : memref<?xbf16> -> memref<bf16>, index, index, index
-        %cb, %co, %cs, %ct = iree_codegen.extract_strided_metadata %cm
-            : memref<?xf32> -> memref<f32>, index, index, index
-        %ob, %oo, %os, %ot = iree_codegen.extract_strided_metadata %om
-            : memref<?xbf16> -> memref<bf16>, index, index, index
-        %r = func.call @sdiree_amx_bf16_geglu_workgroup(%ab, %ao, %bb, %bo, %cb, %co, %ob, %oo,
-            %M, %N, %K, %wn, %wm) : (memref<bf16>, index, memref<bf16>, index, memref<f32>,
-            index, memref<bf16>, index, index, index, index, index, index) -> i32
+"""
+    + buffer_views(
+        ("a", "bf16", "sa"), ("b", "bf16", "sb"), ("bias", "f32", "N"), ("o", "bf16", "so")
+    )
+    + """        %r = func.call @sdiree_amx_bf16_geglu_workgroup(%a_base, %a_off, %b_base, %b_off,
+            %bias_base, %bias_off, %o_base, %o_off, %M, %N, %K, %wn, %wm) : (memref<bf16>, index,
+            memref<bf16>, index, memref<f32>, index, memref<bf16>, index, index, index, index,
+            index, index) -> i32
         return
       }}
     }}
@@ -105,6 +105,7 @@ module {{
   }}
 }}
 """
+)
 
 
 def _eager(a: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
