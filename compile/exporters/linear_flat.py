@@ -37,8 +37,8 @@ def _flat_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def set_linear_lowering(model: torch.nn.Module, choice: str) -> int:
     """Rebind the forward of every nn.Linear in model to the lowering named choice (under
     `panels`, those with panels, and under `amx` those whose features fit its kernel, and GEGLU
-    feed-forwards as two kernel products; the others keep their own); returns how many Linears
-    were rebound."""
+    feed-forwards as one dispatch to its GEGLU form; the others keep their own); returns how many
+    Linears were rebound."""
     if choice not in LINEAR_CHOICES:
         raise ValueError(f"unknown linear lowering {choice!r}")
     count = 0
