@@ -64,7 +64,7 @@ def ensure_kernels(options: dict) -> None:
     if uses_amx(options):
         amx_matmul.object_path()
     if options.get("matmul_kernel") == "amx":
-        attention_amx.object_path()
+        amx_matmul.object_path(attention_amx.KERNEL)
 
 
 def uses_amx(options: dict) -> bool:

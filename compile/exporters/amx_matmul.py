@@ -59,19 +59,28 @@ def amx_matmul(a: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """a [M, K] bf16 times pack_b's operand: [M, N] float32; or a batch of them, a [B, M, K]
     and pack_b's operand of a [B, N, K] weight (one dispatch, the batch its grid's third axis).
     `register()` first, outside a trace: dynamo cannot trace the op's registration."""
-    if _OP is None:
-        raise RuntimeError("amx_matmul: call register() before tracing")
     return _OP(a, packed)
 
 
-_OP = None
+class KernelOp:
+    """A hand-written kernel's custom op, made and registered with torch once a process by
+    `register()`, which must come before a trace (dynamo cannot trace the registration)."""
+
+    def __init__(self, name: str, make):
+        self.name, self.make, self.op = name, make, None
+
+    def register(self) -> None:
+        if self.op is None:
+            self.op = self.make()
+
+    def __call__(self, *args):
+        if self.op is None:
+            raise RuntimeError(f"{self.name}: call register() before tracing")
+        return self.op(*args)
 
 
-def register() -> None:
-    """Register the custom op with torch (once a process)."""
-    global _OP
-    if _OP is None:
-        _OP = _make_op()
+_OP = KernelOp("amx_matmul", lambda: _make_op())
+register = _OP.register
 
 
 # What every template of a hand-written kernel starts with: the module, and the stream executable
@@ -156,11 +165,11 @@ _TEMPLATE = (
 )
 
 
-def object_path() -> str:
-    """The kernel's object (built once into the user cache: compile/kernel_objects.py)."""
+def object_path(kernel: str = KERNEL) -> str:
+    """A kernel's object (built once into the user cache: compile/kernel_objects.py)."""
     from ..kernel_objects import build_object
 
-    return str(build_object(KERNEL, ISA_FLAGS))
+    return str(build_object(kernel, ISA_FLAGS))
 
 
 def template_loader(template: str):

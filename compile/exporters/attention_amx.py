@@ -20,10 +20,11 @@ import math
 import torch
 
 from .amx_matmul import (
-    ISA_FLAGS,
     MULTIPLE,
     TEMPLATE_HEAD,
+    KernelOp,
     buffer_views,
+    object_path,
     pack_b,
     template_loader,
     unpack_b,
@@ -53,8 +54,6 @@ def fits(query: torch.Tensor, key: torch.Tensor, mask) -> bool:
 def amx_attention(query, key, value, scale: float) -> torch.Tensor:
     """softmax(query key^T * scale) value on [batch*heads, tokens, dim] fp32 tensors, on the
     kernel (`register()` first, outside a trace)."""
-    if _OP is None:
-        raise RuntimeError("amx_attention: call register() before tracing")
     d = query.shape[-1]
     pad = padded(d) - d
     q = torch.nn.functional.pad(query * (scale * LOG2_E), (0, pad)).to(torch.bfloat16)
@@ -63,14 +62,8 @@ def amx_attention(query, key, value, scale: float) -> torch.Tensor:
     return _OP(q, k, v, d)
 
 
-_OP = None
-
-
-def register() -> None:
-    """Register the custom op with torch (once a process)."""
-    global _OP
-    if _OP is None:
-        _OP = _make_op()
+_OP = KernelOp("amx_attention", lambda: _make_op())
+register = _OP.register
 
 
 _TEMPLATE = (
@@ -129,13 +122,6 @@ _TEMPLATE = (
 )
 
 
-def object_path() -> str:
-    """The kernel's object (built once into the user cache: compile/kernel_objects.py)."""
-    from ..kernel_objects import build_object
-
-    return str(build_object(KERNEL, ISA_FLAGS))
-
-
 def _make_op():
     from iree.turbine.runtime.op_reg import CustomOp, def_library, impl_helper
     from iree.turbine.support.ir_imports import RankedTensorType
@@ -172,7 +158,7 @@ def _make_op():
                 KERNEL,
                 name,
                 name=name,
-                path=object_path(),
+                path=object_path(KERNEL),
                 block_q=QUERY_BLOCK,
                 bh=bh,
                 nq=nq,

@@ -19,6 +19,7 @@ from .amx_matmul import (
     KERNEL,
     MULTIPLE,
     TEMPLATE_HEAD,
+    KernelOp,
     buffer_views,
     object_path,
     pack_b,
@@ -40,22 +41,14 @@ def interleave(t: torch.Tensor, inner: int) -> torch.Tensor:
 def amx_geglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] (cast to bf16) through a GEGLU projection weight [2 * inner, K] and bias: [M,
     inner] bf16 (`register()` first, outside a trace)."""
-    if _OP is None:
-        raise RuntimeError("amx_geglu: call register() before tracing")
     inner = weight.shape[0] // 2
     if bias is None:
         bias = torch.zeros(weight.shape[0], dtype=torch.float32)
     return _OP(x.to(torch.bfloat16), pack_b(interleave(weight, inner)), interleave(bias, inner))
 
 
-_OP = None
-
-
-def register() -> None:
-    """Register the custom op with torch (once a process)."""
-    global _OP
-    if _OP is None:
-        _OP = _make_op()
+_OP = KernelOp("amx_geglu", lambda: _make_op())
+register = _OP.register
 
 
 _TEMPLATE = (
