@@ -342,7 +342,7 @@ EXPORT_CHOICES = {
     "linear": ("native", "flat", "panels", "amx"),
     "transformer": ("native", "channels_first"),  # the UNet's transformer blocks
     "winograd_output": ("batched", "interleaved"),  # a split Winograd conv's inverse transform
-    "layout": ("native", "channels_last"),  # the VAE decoder's activations between its convs
+    "layout": ("native", "channels_last"),  # the VAE decoder's or UNet's activations
     # the kernel of the split Winograd products and `chunked` attention's matmuls: iree's, or
     # sdiree's AMX one (compile/exporters/amx_matmul.py)
     "matmul_kernel": ("iree", "amx"),
@@ -350,8 +350,8 @@ EXPORT_CHOICES = {
 # positive integers, in submodule_export.unet only: F(4x4) from this input side; plain matmuls
 # where the input side is at most the latent's / this
 UNET_ONLY_EXPORT = ("winograd4_min_side", "plain_from_downscale")
-# choices that only one submodule takes other than their default: {choice: (submodule, default)}
-ONE_SUBMODULE_EXPORT = {"layout": ("vae_decoder", "native")}
+# choices that only some submodules take other than their default: {choice: (submodules, default)}
+ONE_SUBMODULE_EXPORT = {"layout": (("vae_decoder", "unet"), "native")}
 # positive integers, any submodule: Winograd convs one matmul per tile element from this side;
 # `chunked` attention's score block budget in bytes
 SIDE_EXPORT = ("winograd_split_min_side", "attention_block_bytes")
@@ -434,9 +434,10 @@ class _Checker:
                 )
             elif key in ONE_SUBMODULE_EXPORT and value != ONE_SUBMODULE_EXPORT[key][1]:
                 only = ONE_SUBMODULE_EXPORT[key][0]
-                if sub != only:
+                if sub not in only:
                     self.fail(
-                        f"{where}.{key}", f"applies to the {only} only (submodule_export.{only})"
+                        f"{where}.{key}",
+                        f"applies to the {' and the '.join(only)} only (submodule_export)",
                     )
 
     def names(self, keys, allowed, where: str, what: str) -> None:

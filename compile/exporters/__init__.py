@@ -167,12 +167,13 @@ def _plan_for(builder, submodule: str, model):
             plain_from_downscale=options.get("plain_from_downscale"),
             added_conditioning=added_conditioning(p),
             transformer=options.get("transformer", "native"),
+            layout=options.get("layout", "native"),
         )
     for key in UNET_ONLY_EXPORT:
         if key in options:
             raise ValueError(f"export option {key} applies to the unet, not {submodule}")
     vae_plan = plan_vae_decoder if submodule == "vae_decoder" else plan_vae_encoder
-    if submodule == "vae_decoder":  # the registry allows `layout` nowhere else
+    if submodule == "vae_decoder":  # the registry allows `layout` here and for the unet only
         shared["layout"] = options.get("layout", "native")
     # The whole image, or one entry function per tile shape (compile/plan.py); the main
     # function keeps its name, the others are named for their input's height and width.

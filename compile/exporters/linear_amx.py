@@ -9,7 +9,7 @@ multiple of 32, as the text's 77 tokens) keep their own forward, and iree's bf16
 
 A GEGLU feed-forward (diffusers' `proj` to value and gate halves, `value * gelu(gate)`) is one
 dispatch to the kernel's GEGLU form (geglu_amx.py), which keeps both halves in the workgroup and
-writes only the bf16 result: on the whole projection, iree added the bias in a pass of its own
+writes only the bf16 result, which the next linear takes as is: on the whole projection, iree added the bias in a pass of its own
 over the [tokens, 2 x inner] f32 result, then GELU and product in another (SD 1.5's 64x64 level:
 ~250 MB of memory traffic a block).
 """
@@ -38,11 +38,16 @@ def amx_forward(linear: torch.nn.Linear):
 def _amx_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     if not fits(x2.shape[0], self.out_features, self.in_features):
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
     y = amx_matmul(x2.to(torch.bfloat16), pack_b(self.weight))
     if self.bias is not None:
         y = y + self.bias
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def cast_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The Linear's own forward on x cast to its weight's dtype (a GEGLU's bf16 result)."""
+    return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
 
 def geglu_amx_forward(geglu: torch.nn.Module):
@@ -67,5 +72,6 @@ def geglu_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if not (fits(x2.shape[0], inner, proj.in_features) and fits_linear(proj)):
         value, gate = proj(x).chunk(2, dim=-1)
         return value * F.gelu(gate)
-    y = amx_geglu(x2, proj.weight, proj.bias).float()  # exact: the next linear casts it back
-    return y.reshape(*x.shape[:-1], inner)
+    # bf16, as the kernel writes it: the next linear takes it as is (cast to float here, iree
+    # kept the cast and the linear's cast back as a pass of their own: 44 ms of SD 1.5's call)
+    return amx_geglu(x2, proj.weight, proj.bias).reshape(*x.shape[:-1], inner)

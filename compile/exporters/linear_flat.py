@@ -21,7 +21,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from .linear_amx import amx_forward, fits_linear, geglu_amx_forward, is_geglu
+from .linear_amx import amx_forward, cast_forward, fits_linear, geglu_amx_forward, is_geglu
 from .linear_panels import has_panels, heads_merged_inputs, panels_forward
 
 LINEAR_CHOICES = ("native", "flat", "panels", "amx")
@@ -37,8 +37,8 @@ def _flat_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def set_linear_lowering(model: torch.nn.Module, choice: str) -> int:
     """Rebind the forward of every nn.Linear in model to the lowering named choice (under
     `panels`, those with panels, and under `amx` those whose features fit its kernel, and GEGLU
-    feed-forwards as one dispatch to its GEGLU form; the others keep their own); returns how many
-    Linears were rebound."""
+    feed-forwards as one dispatch to its GEGLU form; the others keep their own, under `amx`
+    taking a bf16 input too); returns how many Linears were rebound to a lowering."""
     if choice not in LINEAR_CHOICES:
         raise ValueError(f"unknown linear lowering {choice!r}")
     count = 0
@@ -57,6 +57,9 @@ def set_linear_lowering(model: torch.nn.Module, choice: str) -> int:
             m.forward = types.MethodType(panels_forward(m), m)
         elif choice == "amx" and fits_linear(m):
             m.forward = types.MethodType(amx_forward(m), m)
+        elif choice == "amx":  # its own forward, on GEGLU's bf16 result too
+            m.forward = types.MethodType(cast_forward, m)
+            continue
         elif choice != "native":
             continue
         count += 1

@@ -45,6 +45,20 @@ class UNetEntry(torch.nn.Module):
         )[0]
 
 
+class UNetEntryChannelsLast(UNetEntry):
+    """UNetEntry with the UNet's activations channels-last (unet_channels_last.py)."""
+
+    def forward(self, sample, timestep, encoder_hidden_states, text_embeds=None, time_ids=None):
+        from .unet_channels_last import denoise
+
+        if encoder_hidden_states.shape[0] == 2 * sample.shape[0]:
+            sample = torch.cat([sample, sample])
+        added = None
+        if text_embeds is not None:
+            added = {"text_embeds": text_embeds, "time_ids": time_ids}
+        return denoise(self.unet, sample, timestep, encoder_hidden_states, added)
+
+
 def cat_text_time_embedding(unet: torch.nn.Module) -> bool:
     """Rebind a "text_time" UNet's added embedding (SDXL: the pooled text and the time ids'
     sinusoidal embeddings, joined, through `add_embedding`) to join them with torch.cat.
@@ -92,7 +106,15 @@ def plan_unet(
     added_conditioning: dict[str, int] | None = None,
     transformer: str = "native",
     matmul_kernel: str = "iree",
+    layout: str = "native",
 ) -> ExportPlan:
+    from .unet_channels_last import unsupported
+    from .vae_channels_last import LAYOUTS
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"export layout choice must be one of {LAYOUTS}, not {layout!r}")
+    if layout == "channels_last" and (why := unsupported(unet)):
+        raise ValueError(f"export layout channels_last: this UNet cannot: {why}")
     channels = unet.config.in_channels
     out_channels = unet.config.out_channels
     h, w = latent_hws[0]  # the main size; the others get functions named for their latents
@@ -121,7 +143,7 @@ def plan_unet(
     group_norms_in_fp32(unet, dtype)
     share_cfg_prefix(unet, batch)  # last: it wraps the forwards rebound above
     unet = unet.to(dtype).eval()
-    entry = UNetEntry(unet)
+    entry = (UNetEntryChannelsLast if layout == "channels_last" else UNetEntry)(unet)
     dt = NUMPY_DTYPE_NAMES[dtype]
 
     if added_conditioning:
@@ -176,6 +198,7 @@ def plan_unet(
             "winograd4_min_side": winograd4_min_side,
             "plain_from_downscale": plain_from_downscale,
             "transformer": transformer,
+            "layout": layout,
         },
         derived=derived,
     )

@@ -124,13 +124,14 @@ CASES = {
         _cpu(lambda t: t["submodule_export"]["vae_encoder"].__setitem__("winograd4_min_side", 8)),
         "winograd4_min_side applies to the unet only",
     ),
-    "decoder-only-layout-for-the-unet": (
-        _cpu(lambda t: t["submodule_export"]["unet"].__setitem__("layout", "channels_last")),
-        "targets.cpu.submodule_export.unet.layout applies to the vae_decoder only",
+    "layout-for-the-encoder": (
+        _cpu(lambda t: t["submodule_export"]["vae_encoder"].__setitem__("layout", "channels_last")),
+        "targets.cpu.submodule_export.vae_encoder.layout applies to the vae_decoder and the unet "
+        "only",
     ),
-    "decoder-only-layout-for-every-submodule": (
+    "layout-for-every-submodule": (
         _cpu(lambda t: t["export"].__setitem__("layout", "channels_last")),
-        "targets.cpu.export.layout applies to the vae_decoder only",
+        "targets.cpu.export.layout applies to the vae_decoder and the unet only",
     ),
     "unknown-matmul-kernel": (
         _cpu(lambda t: t["submodule_export"]["unet"].__setitem__("matmul_kernel", "amx2")),

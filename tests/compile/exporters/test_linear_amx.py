@@ -61,7 +61,10 @@ def test_amx_linears_compute_bf16_products_and_keep_the_others():
     x = torch.randn(2, 64, 64)
     want = model(x)
     assert set_linear_lowering(model, "amx") == 2
-    assert "forward" not in model.odd.__dict__
+    x40 = torch.randn(2, 64, model.odd.in_features)
+    want_odd = torch.nn.functional.linear(x40, model.odd.weight, model.odd.bias)
+    torch.testing.assert_close(model.odd(x40), want_odd, rtol=0, atol=0)  # its own, in fp32
+    assert model.odd(x40.to(torch.bfloat16)).dtype == torch.float32  # and takes bf16
     got_up = model.up(x)
     torch.testing.assert_close(got_up, bf16_linear(model.up, x), rtol=1e-5, atol=1e-5)
     # rows that do not fit (5 tokens) take the Linear's own forward: exactly fp32
@@ -127,9 +130,8 @@ def test_geglu_is_one_kernel_dispatch_with_its_gelu_and_bf16_output():
     assert "forward" in geglu.__dict__
     value, gate = bf16_linear(geglu.proj, x).chunk(2, dim=-1)
     exact_bf16 = value * torch.nn.functional.gelu(gate)
-    got = geglu(x)
-    assert got.dtype == torch.float32
-    assert torch.equal(got, got.to(torch.bfloat16).float())  # the kernel's bf16 result
+    got = geglu(x).float()
+    assert geglu(x).dtype == torch.bfloat16  # the kernel's result, which the next linear takes
     torch.testing.assert_close(got, exact_bf16, rtol=8e-3, atol=1e-5)  # rounded to bf16
     assert 1e-5 < ((got - want).abs().max() / want.abs().max()).item() < 2e-2
     torch.testing.assert_close(geglu(x[:, :5]), want[:, :5], rtol=0, atol=0)  # 10 rows: fp32
@@ -143,3 +145,20 @@ def test_geglu_is_one_kernel_dispatch_with_its_gelu_and_bf16_output():
         assert np.abs(out - got.detach().numpy()).max() / np.abs(want.detach().numpy()).max() < 8e-3
     set_linear_lowering(geglu, "native")
     assert "forward" not in geglu.__dict__
+
+
+def test_feed_forward_takes_the_geglu_result_in_bf16():
+    """diffusers' FeedForward under amx: its output linear takes GEGLU's bf16 result as is (on
+    the kernel, and through its own forward where its sizes do not fit the kernel)."""
+    from diffusers.models.attention import FeedForward
+
+    torch.manual_seed(3)
+    for dim_out in (64, 40):  # 40: the output linear does not fit the kernel
+        ff = FeedForward(64, dim_out, activation_fn="geglu").eval()
+        x = torch.randn(2, 32, 64)
+        with torch.no_grad():
+            want = ff(x)
+            set_linear_lowering(ff, "amx")
+            got = ff(x)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2

@@ -1,0 +1,101 @@
+"""Blocks of diffusers' UNets and VAE decoders rerun on channels-last activations [N, H, W, C].
+
+The building blocks the channels-last exports share (vae_channels_last.py, unet_channels_last.py):
+GroupNorm over (pixels, channels of a group), a conv through its lowering's channels-last form
+(conv_matmul.CHANNELS_LAST_FORWARD), a ResnetBlock2D with or without a time embedding, nearest
+upsampling as a broadcast, a stride-2 downsampling conv. Each computes what the diffusers module
+computes on NCHW, with the module's own parameters, up to the order of GroupNorm's sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .conv_matmul import CHANNELS_LAST_FORWARD
+
+
+def group_norm(norm: torch.nn.GroupNorm, xh: torch.Tensor) -> torch.Tensor:
+    """norm on a channels-last tensor: each group's mean and variance over its pixels and
+    channels, in float32 whatever the input's dtype (as norm_precision.py has every GroupNorm
+    of a half-precision export compute)."""
+    n, h, w, c = xh.shape
+    x = xh.float().reshape(n, h * w, norm.num_groups, c // norm.num_groups)
+    mean = x.mean(dim=(1, 3), keepdim=True)
+    centered = x - mean
+    var = (centered * centered).mean(dim=(1, 3), keepdim=True)
+    y = (centered * torch.rsqrt(var + norm.eps)).reshape(n, h, w, c)
+    if norm.affine:
+        y = y * norm.weight.float() + norm.bias.float()
+    return y.to(xh.dtype)
+
+
+def conv(mod: torch.nn.Conv2d, xh: torch.Tensor) -> torch.Tensor:
+    """mod's channels-last lowering where it has one, else its own forward between transposes."""
+    forward = getattr(mod, CHANNELS_LAST_FORWARD, None)
+    if forward is not None:
+        return forward(xh)
+    return mod(xh.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+
+
+def resnet(r, xh: torch.Tensor, temb: torch.Tensor | None = None) -> torch.Tensor:
+    """A ResnetBlock2D without resampling, its time embedding (time_embedding_norm "default")
+    added after conv1 where it has one; temb [N or 1, channels] before the block's activation."""
+    h = conv(r.conv1, r.nonlinearity(group_norm(r.norm1, xh)))
+    if r.time_emb_proj is not None and temb is not None:
+        t = temb if r.skip_time_act else r.nonlinearity(temb)
+        h = h + r.time_emb_proj(t)[:, None, None, :]
+    h = conv(r.conv2, r.dropout(r.nonlinearity(group_norm(r.norm2, h))))
+    skip = xh if r.conv_shortcut is None else conv(r.conv_shortcut, xh)
+    return (skip + h) / r.output_scale_factor
+
+
+def resnet_unsupported(r) -> str | None:
+    """Why resnet() cannot compute r (None: it can)."""
+    from diffusers.models.resnet import ResnetBlock2D
+
+    if not isinstance(r, ResnetBlock2D) or r.upsample or r.downsample:
+        return f"{type(r).__name__} resamples"
+    if not isinstance(r.norm1, torch.nn.GroupNorm) or not isinstance(r.norm2, torch.nn.GroupNorm):
+        return "a resnet has another norm than GroupNorm"
+    if r.time_emb_proj is not None and r.time_embedding_norm != "default":
+        return f"a resnet's time embedding norm is {r.time_embedding_norm!r}"
+    return None
+
+
+def upsample(u, xh: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
+    """An Upsample2D (nearest, then its conv): 2x as a broadcast, another size (diffusers'
+    `upsample_size`, for sides not divisible by the UNet's overall factor) by interpolation."""
+    n, h, w, c = xh.shape
+    if size is None or tuple(size) == (2 * h, 2 * w):
+        up = xh[:, :, None, :, None, :].expand(n, h, 2, w, 2, c).reshape(n, 2 * h, 2 * w, c)
+    else:
+        up = F.interpolate(xh.permute(0, 3, 1, 2), size=tuple(size), mode="nearest")
+        up = up.permute(0, 2, 3, 1)
+    return conv(u.conv if u.name == "conv" else u.Conv2d_0, up)
+
+
+def upsample_unsupported(u) -> str | None:
+    from diffusers.models.upsampling import Upsample2D
+
+    if not isinstance(u, Upsample2D) or u.norm is not None or u.use_conv_transpose:
+        return "an upsampler is not nearest 2x + conv"
+    if not (u.use_conv and u.interpolate):
+        return "an upsampler is not nearest 2x + conv"
+    return None
+
+
+def downsample(d, xh: torch.Tensor) -> torch.Tensor:
+    """A Downsample2D with a conv (stride 2; zero-padded right and bottom where it has no
+    padding of its own, as diffusers pads)."""
+    if d.padding == 0:
+        xh = F.pad(xh, (0, 0, 0, 1, 0, 1))
+    return conv(d.conv, xh)
+
+
+def downsample_unsupported(d) -> str | None:
+    from diffusers.models.downsampling import Downsample2D
+
+    if not isinstance(d, Downsample2D) or d.norm is not None or not d.use_conv:
+        return "a downsampler is not a strided conv"
+    return None

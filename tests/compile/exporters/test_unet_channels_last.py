@@ -1,0 +1,150 @@
+"""The `layout: channels_last` UNet export: diffusers' UNet blocks rerun on [N, H, W, C] give
+its noise prediction (SD 1.x, SD 2.x's linear projections and upcast attention, SDXL's added
+conditioning and first level without attention), guided and unguided, with guidance's shared
+prefix, for the conv lowerings and at sizes its upsamplers must be told; UNets it cannot take
+are refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sdiree.compile.exporters.cfg_prefix import share_cfg_prefix  # noqa: E402
+from sdiree.compile.exporters.conv_matmul import set_conv_lowering  # noqa: E402
+from sdiree.compile.exporters.unet import (  # noqa: E402
+    UNetEntry,
+    UNetEntryChannelsLast,
+    cat_text_time_embedding,
+    plan_unet,
+)
+from sdiree.compile.exporters.unet_channels_last import unsupported  # noqa: E402
+
+FAMILIES = ["tiny_model", "tiny_sd2_model", "tiny_sdxl_model"]
+
+
+def load_unet(model_dir):
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel.from_pretrained(model_dir / "unet").eval().requires_grad_(False)
+
+
+def inputs(unet, batch, hw):
+    torch.manual_seed(1)
+    cfg = unet.config
+    args = [
+        torch.randn(batch, cfg.in_channels, *hw),
+        torch.tensor([500.0]),
+        torch.randn(2 * batch, 77, cfg.cross_attention_dim),
+    ]
+    if cfg.addition_embed_type == "text_time":
+        text_dim = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+        args += [torch.randn(2 * batch, text_dim), torch.rand(2 * batch, 6) * 1024]
+    return args
+
+
+def unguided(args, batch):
+    sample, t, text, *added = args
+    return [sample, t, text[batch:], *(a[batch:] for a in added)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("conv", ["native", "winograd"])
+def test_channels_last_gives_diffusers_prediction(family, conv, request):
+    unet = load_unet(request.getfixturevalue(family))
+    cat_text_time_embedding(unet)
+    batch = 1
+    args = inputs(unet, batch, (unet.config.sample_size,) * 2)
+    with torch.no_grad():
+        want = UNetEntry(unet)(*args)
+        want_single = UNetEntry(unet)(*unguided(args, batch))
+    assert unsupported(unet) is None
+    set_conv_lowering(unet, conv, split_min_side=4 if conv == "winograd" else None)
+    names = list(unet.state_dict())  # with the conv lowering's derived weights
+    share_cfg_prefix(unet, batch)
+    entry = UNetEntryChannelsLast(unet)
+    with torch.no_grad():
+        got = entry(*args)
+        single = entry(*unguided(args, batch))
+    assert list(unet.state_dict()) == names  # the same parameter archive serves it
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(single, want_single, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(got[:batch], got[batch:])
+
+
+def test_sides_the_upsamplers_must_be_told(tiny_sd2_model):
+    """Latent sides not divisible by the UNet's overall factor (SD 2's tiny: 4): diffusers
+    passes each upsampler its skip's size, as the channels-last upsampling does."""
+    unet = load_unet(tiny_sd2_model)
+    args = inputs(unet, 1, (6, 10))
+    with torch.no_grad():
+        want = UNetEntry(unet)(*args)
+        set_conv_lowering(unet, "matmul")
+        got = UNetEntryChannelsLast(unet)(*args)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_shared_prefix_runs_at_half_batch_until_the_first_cross_attention(tiny_model):
+    unet = load_unet(tiny_model)
+    batch = 2
+    args = inputs(unet, batch, (8, 8))
+    set_conv_lowering(unet, "matmul")
+    share_cfg_prefix(unet, batch)
+    seen = {}
+
+    def record(name):
+        def hook(module, a):
+            seen.setdefault(name, a[0].shape[0])
+
+        return hook
+
+    first = unet.down_blocks[0]
+    first.resnets[0].time_emb_proj.register_forward_pre_hook(record("temb"))
+    first.resnets[0].norm1.register_forward_pre_hook(record("never: group_norm() reads it"))
+    block = first.attentions[0].transformer_blocks[0]
+    block.norm1.register_forward_pre_hook(record("norm1"))
+    block.attn2.register_forward_pre_hook(record("attn2"))
+    with torch.no_grad():
+        UNetEntryChannelsLast(unet)(*args)
+    assert seen == {"temb": 1, "norm1": 2 * batch, "attn2": 2 * batch}
+    # norm1 gets both halves and takes one (cfg_prefix), as in diffusers' forward
+
+
+def _plan(unet, **kw):
+    return plan_unet(
+        unet, batch=1, latent_hws=[(8, 8)], text_len=77,
+        text_dim=unet.config.cross_attention_dim, dtype=torch.float32, attention="chunked",
+        conv="matmul", layout="channels_last", **kw,
+    )  # fmt: skip
+
+
+def test_plan_records_the_layout(tiny_model):
+    plan = _plan(load_unet(tiny_model))
+    assert plan.options["layout"] == "channels_last"
+    assert isinstance(plan.root, UNetEntryChannelsLast)
+
+
+@pytest.mark.parametrize(
+    "change,why",
+    [
+        (lambda u: u.register_to_config(center_input_sample=True), "it centres its input sample"),
+        (
+            lambda u: u.register_to_config(class_embed_type="timestep"),
+            "it takes class or image conditioning",
+        ),
+        (
+            lambda u: setattr(u.up_blocks[0].resnets[0], "time_embedding_norm", "scale_shift"),
+            "a resnet's time embedding norm is 'scale_shift'",
+        ),
+        (
+            lambda u: setattr(u.down_blocks[0].downsamplers[0], "use_conv", False),
+            "a downsampler is not a strided conv",
+        ),
+    ],
+)
+def test_unets_it_cannot_take_are_refused_in_one_line(tiny_model, change, why):
+    unet = load_unet(tiny_model)
+    change(unet)
+    with pytest.raises(ValueError) as e:
+        _plan(unet)
+    assert str(e.value) == f"export layout channels_last: this UNet cannot: {why}"
