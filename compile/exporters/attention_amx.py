@@ -9,8 +9,15 @@ zero-padded to a head dim that is a multiple of 32 and cast to bf16; each head's
 the B operand of q k^T, its values (zero-padded likewise) as the B operand of p v
 (amx_matmul.pack_b). The result is [batch*heads, queries, dim] float32.
 
-`fits`: no mask, query and key counts multiples of 32, a head dim of at most 160 (the kernel's
-accumulator block); other attention keeps the chunked path.
+Key counts that are not a multiple of 32 (cross-attention's 77 text tokens) are zero-padded
+to one, the padded keys masked out through the head dim's padding, with no change to the kernel:
+q gets a 1 in its first padded column, each key there a 0, each padded key MASKED_OUT, so a
+padded key's score is MASKED_OUT (in base-2 units: its probability 2^-30000 is 0) and a real
+key's is unchanged. That needs a head dim with padding (SD 1.5's 40 and 80, not 160).
+
+`fits`: no mask, query count a multiple of 32, key count a multiple of 32 or a head dim with
+room for the mask column, a head dim of at most 160 (the kernel's accumulator block); other
+attention keeps the chunked path.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ QUERY_BLOCK = 32  # the kernel's QB: queries a workgroup
 MAX_DIM = 160  # the kernel's DV_MAX
 # q is scaled by this too: the kernel's softmax takes powers of 2 (2^(s log2 e) = e^s)
 LOG2_E = 1.4426950408889634
+MASKED_OUT = -30000.0  # a padded key's score, in base-2 units (exact in bf16: -29952)
 
 
 def padded(d: int) -> int:
@@ -46,7 +54,9 @@ def fits(query: torch.Tensor, key: torch.Tensor, mask) -> bool:
     nq, nk, d = query.shape[1], key.shape[1], query.shape[-1]
     return (
         mask is None
-        and all(isinstance(n, int) and n % MULTIPLE == 0 for n in (nq, nk))
+        and all(isinstance(n, int) for n in (nq, nk))
+        and nq % MULTIPLE == 0
+        and (nk % MULTIPLE == 0 or padded(d) > d)
         and padded(d) <= MAX_DIM
     )
 
@@ -54,11 +64,19 @@ def fits(query: torch.Tensor, key: torch.Tensor, mask) -> bool:
 def amx_attention(query, key, value, scale: float) -> torch.Tensor:
     """softmax(query key^T * scale) value on [batch*heads, tokens, dim] fp32 tensors, on the
     kernel (`register()` first, outside a trace)."""
+    F = torch.nn.functional
     d = query.shape[-1]
     pad = padded(d) - d
-    q = torch.nn.functional.pad(query * (scale * LOG2_E), (0, pad)).to(torch.bfloat16)
-    k = pack_b(torch.nn.functional.pad(key, (0, pad)))
-    v = pack_b(torch.nn.functional.pad(value, (0, pad)).transpose(1, 2))
+    extra = -key.shape[1] % MULTIPLE  # padded keys, masked out in the first padded column
+    q = query * (scale * LOG2_E)
+    if extra:
+        q = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)
+        column = F.pad(torch.zeros_like(key[..., :1]), (0, 0, 0, extra), value=MASKED_OUT)
+        key = torch.cat([F.pad(key, (0, 0, 0, extra)), column], dim=-1)
+        value = F.pad(value, (0, 0, 0, extra))
+    q = F.pad(q, (0, padded(d) - q.shape[-1])).to(torch.bfloat16)
+    k = pack_b(F.pad(key, (0, padded(d) - key.shape[-1])))
+    v = pack_b(F.pad(value, (0, pad)).transpose(1, 2))
     return _OP(q, k, v, d)
 
 

@@ -32,7 +32,8 @@ def _rel(a, b) -> float:
 def test_fits_only_unmasked_multiples_of_32_and_small_heads():
     q = torch.zeros(2, 64, 40)
     assert attention_amx.fits(q, torch.zeros(2, 96, 40), None)
-    assert not attention_amx.fits(q, torch.zeros(2, 77, 40), None)  # the text's 77 keys
+    assert attention_amx.fits(q, torch.zeros(2, 77, 40), None)  # the text's, masked in padding
+    assert not attention_amx.fits(torch.zeros(2, 64, 64), torch.zeros(2, 77, 64), None)  # no room
     assert not attention_amx.fits(torch.zeros(2, 48, 40), torch.zeros(2, 96, 40), None)
     assert not attention_amx.fits(q, torch.zeros(2, 96, 40), torch.zeros(2, 1, 96))
     assert attention_amx.fits(torch.zeros(1, 64, 160), torch.zeros(1, 64, 160), None)
@@ -61,6 +62,8 @@ def test_chunked_amx_attention_takes_the_fused_op_within_bf16_rounding():
         (3, 64, 416, 40),  # keys: three blocks of 128 and one of 32
         (2, 32, 64, 80),  # SD 1.5's 32x32-level head dim, padded to 96
         (1, 96, 160, 160),  # the largest head dim the kernel takes
+        (2, 64, 77, 40),  # cross-attention's 77 text keys: padded to 96, masked out
+        (2, 32, 77, 80),
     ],
 )
 def test_exported_attention_is_one_kernel_dispatch_and_matches(bh, nq, nk, d):
