@@ -19,6 +19,8 @@ import types
 import torch
 
 from .amx_matmul import register as register_amx
+from .conv_amx import MIN_WIDTH, conv3x3_amx, conv3x3_amx_nhwc, fits_conv
+from .conv_amx import register as register_conv_amx
 from .fhwc import DERIVED_TAG as FHWC_TAG
 from .fhwc import add_fhwc_weights, conv_on_fhwc_filter
 from .im2col import conv2d_as_matmul, conv2d_as_matmul_nhwc, supported
@@ -83,19 +85,25 @@ def convs_as_matmuls(
     winograd_output: str = "batched",
     split_min_side: int | None = None,
     matmul_kernel: str = "iree",
+    direct: set | frozenset = frozenset(),
 ) -> int:
     """Rebind the forward of every supported Conv2d in `model` to the lowering named conv;
     returns how many. tiles ({conv: m}) picks a Winograd conv's own tile size; winograd_output,
-    split_min_side and matmul_kernel (as its `matmul`) are conv2d_winograd's."""
+    split_min_side and matmul_kernel (as its `matmul`) are conv2d_winograd's; the convs in
+    direct take the AMX conv kernel (conv_amx.py)."""
     if matmul_kernel == "amx":
         register_amx()
+    if direct:
+        register_conv_amx()
     forward = LOWERINGS.get(conv)
     count = 0
     for m in model.modules():
         if isinstance(m, torch.nn.Conv2d) and supported(m):
             tile = (tiles or {}).get(m, WINOGRAD_TILES.get(conv))
             channels_last = None
-            if tile == 0 or (tile is None and forward is conv2d_as_matmul):
+            if m in direct:
+                lowering, channels_last = conv3x3_amx, conv3x3_amx_nhwc
+            elif tile == 0 or (tile is None and forward is conv2d_as_matmul):
                 lowering = functools.partial(conv2d_as_matmul, matmul=matmul_kernel)
                 channels_last = functools.partial(conv2d_as_matmul_nhwc, matmul=matmul_kernel)
             elif tile is None:
@@ -154,6 +162,14 @@ def tiles_by_side(
     return {conv: tile(side) for conv, side in sides.items()}
 
 
+def direct_convs(model: torch.nn.Module, sides: dict | None = None) -> set:
+    """The convs of model that take the AMX conv kernel under `matmul_kernel: amx`: those it
+    fits whose input side (sides: {conv: side}, from conv_input_sides) is at least MIN_WIDTH;
+    none without sides."""
+    sides = sides or {}
+    return {m for m in model.modules() if fits_conv(m) and sides.get(m, 0) >= MIN_WIDTH}
+
+
 def set_conv_lowering(
     model: torch.nn.Module,
     conv: str,
@@ -161,11 +177,14 @@ def set_conv_lowering(
     winograd_output: str = "batched",
     split_min_side: int | None = None,
     matmul_kernel: str = "iree",
+    sides: dict | None = None,
 ) -> str | None:
     """Apply the target's `export.conv` choice to every Conv2d of model, with tiles ({conv:
     m}, Winograd choices only) overriding the choice's tile per conv; winograd_output and
     split_min_side and matmul_kernel (export choices `winograd_output`,
-    `winograd_split_min_side`, `matmul_kernel`) are conv2d_winograd's. Returns a tag naming the derived parameters it added (None when it added
+    `winograd_split_min_side`, `matmul_kernel`) are conv2d_winograd's. Under `matmul_kernel:
+    amx` the 3x3 convs of direct_convs(model, sides) take the AMX conv kernel instead, with no
+    transformed weight. Returns a tag naming the derived parameters it added (None when it added
     none)."""
     if conv not in CONV_CHOICES:
         raise ValueError(f"export conv choice must be one of {CONV_CHOICES}, not {conv!r}")
@@ -179,7 +198,10 @@ def set_conv_lowering(
         raise ValueError(f"per-conv Winograd tiles need a Winograd conv choice, not {conv!r}")
     if conv == "native":
         return None
-    convs_as_matmuls(model, conv, tiles, winograd_output, split_min_side, matmul_kernel)
+    direct = direct_convs(model, sides) if matmul_kernel == "amx" else set()
+    if direct and m:
+        tiles = {**(tiles or {}), **{c: 0 for c in direct}}  # no transformed weight
+    convs_as_matmuls(model, conv, tiles, winograd_output, split_min_side, matmul_kernel, direct)
     if conv == "pointwise_einsum_fhwc":
         return FHWC_TAG if add_fhwc_weights(model) else None
-    return derived_tag(add_winograd_weights(model, m, tiles)) if m else None
+    return derived_tag(add_winograd_weights(model, m, tiles), whole=not direct) if m else None

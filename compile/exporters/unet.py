@@ -118,10 +118,11 @@ def plan_unet(
     channels = unet.config.in_channels
     out_channels = unet.config.out_channels
     h, w = latent_hws[0]  # the main size; the others get functions named for their latents
-    tiles = None
+    tiles = sides = None
     # F(4x4) where a conv's input is large, a plain matmul where it is at most the latent's
-    # side / plain_from_downscale, the conv choice's tile elsewhere
-    if winograd4_min_side or plain_from_downscale:
+    # side / plain_from_downscale, the conv choice's tile elsewhere; the AMX conv kernel (under
+    # matmul_kernel amx) where the input is wide enough for it
+    if winograd4_min_side or plain_from_downscale or matmul_kernel == "amx":
         sides = conv_input_sides(
             unet,
             lambda: unet(
@@ -131,13 +132,14 @@ def plan_unet(
                 added_cond_kwargs=example_added(added_conditioning, 2 * batch) or None,
             ),
         )
+    if winograd4_min_side or plain_from_downscale:
         small, large = WINOGRAD_TILES.get(conv, 0), WINOGRAD_TILES["winograd4"]
         plain = min(h, w) // plain_from_downscale if plain_from_downscale else 0
         tiles = tiles_by_side(sides, small, large, winograd4_min_side, plain)
     set_attention(unet, attention, attention_block_bytes, matmul_kernel)
     cat_text_time_embedding(unet)
     derived = set_conv_lowering(
-        unet, conv, tiles, winograd_output, winograd_split_min_side, matmul_kernel
+        unet, conv, tiles, winograd_output, winograd_split_min_side, matmul_kernel, sides
     )
     set_transformer_layout(unet, transformer)
     group_norms_in_fp32(unet, dtype)

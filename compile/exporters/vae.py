@@ -15,6 +15,7 @@ import torch
 
 from .attention import set_attention
 from .base import NUMPY_DTYPE_NAMES, ExportPlan, FunctionSpec, TensorSpec
+from .conv_amx import MIN_WIDTH
 from .conv_matmul import set_conv_lowering
 from .norm_precision import group_norms_in_fp32
 
@@ -69,9 +70,13 @@ def _plan(
             raise ValueError(f"export layout channels_last: this VAE's decoder cannot: {why}")
         entry_cls = VaeDecodeChannelsLast
     set_attention(vae, attention, attention_block_bytes, matmul_kernel)
+    # under amx every conv the AMX conv kernel fits takes it, at any of the plans' sizes (the
+    # decoder's and encoder's plans share one model and its derived archive; at SD sizes their
+    # inputs are 64 or wider, and a narrower one takes im2col at the call)
+    wide = {m: MIN_WIDTH for m in vae.modules() if isinstance(m, torch.nn.Conv2d)}
     derived = set_conv_lowering(
         vae, conv, winograd_output=winograd_output, split_min_side=winograd_split_min_side,
-        matmul_kernel=matmul_kernel,
+        matmul_kernel=matmul_kernel, sides=wide,
     )  # fmt: skip
     group_norms_in_fp32(vae, dtype)
     vae = vae.to(dtype).eval()

@@ -273,14 +273,15 @@ def derived_weight_maker(name: str, shape: tuple[int, ...], dtype: torch.dtype, 
     return make
 
 
-def derived_tag(tiles_by_name: dict[str, int]) -> str | None:
+def derived_tag(tiles_by_name: dict[str, int], whole: bool = True) -> str | None:
     """The name of a derived-weights archive: `winograd<m>` when every conv has tile m, else
     the tiles and a digest of which conv has which (archives are reused by name, and the same
-    rule gives other convs other tiles at another image size)."""
+    rule gives other convs other tiles at another image size); with the digest too where not
+    every eligible conv has one (whole False: the AMX conv kernel took some)."""
     used = sorted(set(tiles_by_name.values()))
     if not used:
         return None
-    if len(used) == 1:
+    if len(used) == 1 and whole:
         return f"winograd{used[0]}"
     digest = hashlib.sha256(json.dumps(sorted(tiles_by_name.items())).encode()).hexdigest()
     return f"winograd{'+'.join(map(str, used))}-{digest[:8]}"

@@ -112,3 +112,37 @@ int sdiree_amx_bf16_geglu_workgroup(const uint16_t *a, size_t a_offset, const ui
   _tile_release();
   return 0;
 }
+
+/* A 3x3, stride-1 convolution on AMX as an implicit matmul (compile/exporters/conv_amx.py):
+   C[M, N] (f32) = sum over the 9 taps t of A_t x B_t, where A is the zero-padded channels-last
+   input flattened to rows of K channels, [rows, K] bf16, with `row` = W + 2 rows per image row,
+   A_t its view shifted by (t / 3) * row + t % 3 rows, and B_t the tap's [K, N] weight packed as
+   the matmul's B ([9][N / 16][K / 2][16][2]). Row m of C is the output at padded position m:
+   the graph keeps the rows of real pixels and drops those that fall on the padding, so no
+   tile crosses an image row's edge and A needs no im2col copy. The caller pads A with at least
+   2 * row + 2 zero rows past M. Same grid and blocking as the matmul. */
+int sdiree_amx_bf16_conv3x3_workgroup(const uint16_t *a, size_t a_offset, const uint16_t *b,
+                                      size_t b_offset, float *c, size_t c_offset, size_t M,
+                                      size_t N, size_t K, size_t row, size_t wg_n, size_t wg_m) {
+  sdiree_request_amx();
+  a += a_offset;
+  b += b_offset;
+  c += c_offset;
+  sdiree_configure_tiles();
+  const size_t m_begin = wg_m * SDIREE_AMX_MB, n_begin = wg_n * SDIREE_AMX_NB;
+  const size_t m_end = m_begin + SDIREE_AMX_MB < M ? m_begin + SDIREE_AMX_MB : M;
+  const size_t n_end = n_begin + SDIREE_AMX_NB < N ? n_begin + SDIREE_AMX_NB : N;
+  const size_t lda = K * 2, ldc = N * 4, strip = K * 32, tap_bytes = N * K * 2; /* bytes */
+  for (size_t n = n_begin; n < n_end; n += 32) {
+    for (size_t m = m_begin; m < m_end; m += 32) {
+      sdiree_zero_32x32();
+      for (size_t t = 0; t < 9; ++t) {
+        const uint8_t *b0 = (const uint8_t *)b + t * tap_bytes + (n / 16) * strip;
+        sdiree_dp_32x32(a + (m + (t / 3) * row + t % 3) * K, lda, b0, b0 + strip, K);
+      }
+      sdiree_store_32x32(c + m * N + n, ldc);
+    }
+  }
+  _tile_release();
+  return 0;
+}

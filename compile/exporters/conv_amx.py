@@ -1,0 +1,198 @@
+"""3x3, stride-1 convolutions traced as one dispatch to sdiree's AMX implicit-matmul conv kernel
+(`sdiree_amx_bf16_conv3x3_workgroup` in specs/kernels/amx_bf16_matmul.c), under export choice
+`matmul_kernel: amx` in place of Winograd.
+
+On the AMX kernel, Winograd's products were the cheap part of a conv: its input and output
+transforms are passes over the activations that cost several times the products (one 320-channel
+64x64 conv, batch 2: 19 ms, of which the products ~4). Here the graph only pads the channels-last
+input (one zero row and column around each image, and the kernel's read-ahead rows at the end)
+and casts it to bf16; the kernel sums the nine taps' products, each a view of that padded input
+shifted by whole rows of pixels, so nothing is copied nine times. Its output holds a row for every
+padded position; the graph keeps the real pixels' rows. The weight, packed per tap for the kernel
+([9, O / 16, C / 2, 16, 2]), is a constant expression of the conv's own weight, which the
+parameter encoder computes at compile: no derived weights, no Winograd archive.
+
+`fits_conv`: 3x3, stride 1, padding 1, no groups or dilation, input and output channels
+multiples of 32; and at the call an input width of at least MIN_WIDTH, else the conv takes its
+im2col matmul. conv_matmul.py gives a conv this lowering where its input's side is at least
+MIN_WIDTH, Winograd below: on one Intel AMX core pair, batch 2, Winograd F(2x2) (split,
+interleaved) against this, 320 channels at 64x64 16.0 -> 7.9 ms, 640 at 32x32 9.7 -> 7.9, but
+1280 at 16x16 5.9 -> 8.2 (the kernel runs near AMX's peak there; Winograd's 2.25x fewer
+products win once its transforms are small beside the weights).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .amx_matmul import (
+    BLOCK_M,
+    BLOCK_N,
+    KERNEL,
+    MULTIPLE,
+    TEMPLATE_HEAD,
+    KernelOp,
+    buffer_views,
+    object_path,
+    pack_b,
+    template_loader,
+    unpack_b,
+)
+from .im2col import conv2d_as_matmul_nhwc, supported
+
+MIN_WIDTH = 32
+
+
+def fits_conv(conv: torch.nn.Conv2d) -> bool:
+    """Whether conv's shape suits the kernel (its input's width is checked at the call)."""
+    return (
+        isinstance(conv, torch.nn.Conv2d)
+        and supported(conv)
+        and tuple(conv.kernel_size) == (3, 3)
+        and tuple(conv.stride) == (1, 1)
+        and tuple(conv.padding) == (1, 1)
+        and conv.in_channels % MULTIPLE == 0
+        and conv.out_channels % MULTIPLE == 0
+    )
+
+
+def conv3x3_amx(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """conv3x3_amx_nhwc on an NCHW input, NCHW out."""
+    return conv3x3_amx_nhwc(conv, x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def conv3x3_amx_nhwc(conv: torch.nn.Conv2d, xh: torch.Tensor) -> torch.Tensor:
+    """conv on a channels-last input [N, H, W, C], its output channels-last; on the kernel where
+    it fits, else as an im2col matmul on the AMX matmul kernel."""
+    n, h, w, c = xh.shape
+    if not (fits_conv(conv) and isinstance(w, int) and w >= MIN_WIDTH):
+        return conv2d_as_matmul_nhwc(conv, xh, "amx")
+    o, row = conv.out_channels, w + 2
+    positions = n * (h + 2) * row
+    m = -(-positions // MULTIPLE) * MULTIPLE
+    xp = F.pad(xh, (0, 0, 1, 1, 1, 1)).reshape(positions, c)
+    xp = F.pad(xp, (0, 0, 0, m - positions + 2 * row + 2)).to(torch.bfloat16)
+    y = _OP(xp, pack_taps(conv.weight), row)
+    y = y[:positions].reshape(n, h + 2, row, o)[:, :h, :w]
+    return y if conv.bias is None else y + conv.bias
+
+
+def pack_taps(weight: torch.Tensor) -> torch.Tensor:
+    """A 3x3 weight [O, C, 3, 3] as the kernel's B operands, tap by tap (row-major over the
+    window): [9, O / 16, C / 2, 16, 2] bf16."""
+    o, c = weight.shape[:2]
+    return pack_b(weight.permute(2, 3, 0, 1).reshape(9, o, c))
+
+
+_OP = KernelOp("amx_conv3x3", lambda: _make_op())
+register = _OP.register
+
+
+def _eager(a: torch.Tensor, packed: torch.Tensor, row: int) -> torch.Tensor:
+    m = a.shape[0] - 2 * row - 2
+    taps = unpack_b(packed).float()  # [9, C, O]
+    out = 0
+    for t in range(9):
+        shift = (t // 3) * row + t % 3
+        out = out + a[shift : shift + m].float() @ taps[t]
+    return out
+
+
+_TEMPLATE = (
+    TEMPLATE_HEAD
+    + """    stream.executable.export public @{name} workgroups(%m: index, %n: index)
+        -> (index, index, index) {{
+      %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_n})>()[%n]
+      %y = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_m})>()[%m]
+      %c1 = arith.constant 1 : index
+      stream.return %x, %y, %c1 : index, index, index
+    }}
+    builtin.module {{
+      func.func private @sdiree_amx_bf16_conv3x3_workgroup(memref<bf16>, index, memref<bf16>,
+          index, memref<f32>, index, index, index, index, index, index, index) -> i32
+          attributes {{hal.import.static, llvm.bareptr = true}}
+      func.func @{name}(%a: !stream.binding, %b: !stream.binding, %c: !stream.binding,
+          %M: index, %N: index, %K: index, %R: index, %A: index) {{
+        %c0 = arith.constant 0 : index
+        %c9 = arith.constant 9 : index
+        %wn = stream.dispatch.workgroup.id[0] : index
+        %wm = stream.dispatch.workgroup.id[1] : index
+        %sa = arith.muli %A, %K : index
+        %nk = arith.muli %N, %K : index
+        %sb = arith.muli %nk, %c9 : index
+        %sc = arith.muli %M, %N : index
+"""
+    + buffer_views(("a", "bf16", "sa"), ("b", "bf16", "sb"), ("c", "f32", "sc"))
+    + """        %r = func.call @sdiree_amx_bf16_conv3x3_workgroup(%a_base, %a_off, %b_base, %b_off,
+            %c_base, %c_off, %M, %N, %K, %R, %wn, %wm) : (memref<bf16>, index, memref<bf16>,
+            index, memref<f32>, index, index, index, index, index, index, index) -> i32
+        return
+      }}
+    }}
+  }}
+  util.func private @{name}(%a: tensor<{rows}x{k}xbf16>, %b: tensor<9x{j}x{k2}x16x2xbf16>)
+      -> tensor<{m}x{n}xf32> {{
+    %m = arith.constant {m} : index
+    %n = arith.constant {n} : index
+    %k = arith.constant {k} : index
+    %row = arith.constant {row} : index
+    %rows = arith.constant {rows} : index
+    %0 = flow.dispatch @{name}_exe::@{name}[%m, %n](%a, %b, %m, %n, %k, %row, %rows)
+        : (tensor<{rows}x{k}xbf16>, tensor<9x{j}x{k2}x16x2xbf16>, index, index, index, index,
+           index) -> tensor<{m}x{n}xf32>
+    util.return %0 : tensor<{m}x{n}xf32>
+  }}
+}}
+"""
+)
+
+
+def _make_op():
+    from iree.turbine.runtime.op_reg import CustomOp, def_library, impl_helper
+    from iree.turbine.support.ir_imports import RankedTensorType
+
+    loader = template_loader(_TEMPLATE)
+
+    @CustomOp.register(library=def_library("sdiree_amx_conv"))
+    class amx_bf16_conv3x3(CustomOp):
+        signature = "amx_bf16_conv3x3(Tensor a, Tensor b, int row) -> (Tensor)"
+
+        def select(self, ksel):
+            a = ksel.arg_tensor(0)
+            b = ksel.arg_tensor(1)
+            row = ksel.attr_int(2)
+            a.specialize_all_dims()
+            b.specialize_all_dims()
+            m = a.t.shape[0] - 2 * row.v - 2
+            out = ksel.return_new_tensor([m, b.t.shape[1] * 16], torch.float32)
+            out.specialize_all_dims()
+
+        def eager_execute(self, a, b, row):
+            return _eager(a, b, row)
+
+        def generate(self, ksel, kb):
+            rows, k = RankedTensorType(kb.arg_bindings[0].type).shape
+            _, j, k2 = RankedTensorType(kb.arg_bindings[1].type).shape[:3]
+            row = ksel.arg_descs[2].v
+            m = rows - 2 * row - 2
+            name = f"sdiree_amx_conv3x3_{m}x{k}x{j * 16}r{row}"
+            func = loader.inline_template_function(
+                kb,
+                KERNEL,
+                name,
+                name=name,
+                path=object_path(),
+                block_m=BLOCK_M,
+                block_n=BLOCK_N,
+                m=m,
+                k=k,
+                n=j * 16,
+                j=j,
+                k2=k2,
+                row=row,
+                rows=rows,
+            )
+            kb.yield_results(*impl_helper.call_function(func, *kb.arg_bindings[:2]))
+
+    return amx_bf16_conv3x3

@@ -1,0 +1,84 @@
+"""The AMX implicit-matmul 3x3 conv (compile/exporters/conv_amx.py, specs/kernels/
+amx_bf16_matmul.c): a 3x3 stride-1 conv that fits is one kernel dispatch within bf16's rounding
+of torch's conv, its padding rows dropped; other convs and narrow inputs take the im2col matmul;
+the module links the kernel (cross-compiled for an AMX CPU on any machine) and where this CPU
+has AMX it gives the conv, over images, rows and channel blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from llvm_cpu import run_amx_main  # noqa: E402
+
+from sdiree.compile.exporters import conv_amx  # noqa: E402
+from sdiree.compile.exporters.amx_matmul import register  # noqa: E402
+
+KERNEL_SYMBOL = "sdiree_amx_bf16_conv3x3_workgroup"
+
+
+def _bf16_conv(conv, xh):
+    """torch's conv on bf16-rounded input and weight, in float64 (channels-last in and out)."""
+    x = xh.to(torch.bfloat16).double().permute(0, 3, 1, 2)
+    w = conv.weight.to(torch.bfloat16).double()
+    y = torch.nn.functional.conv2d(x, w, conv.bias.double(), padding=1)
+    return y.permute(0, 2, 3, 1)
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def test_fits_3x3_stride_1_convs_of_channel_multiples_of_32():
+    assert conv_amx.fits_conv(torch.nn.Conv2d(64, 32, 3, padding=1))
+    assert not conv_amx.fits_conv(torch.nn.Conv2d(4, 32, 3, padding=1))  # conv_in's latents
+    assert not conv_amx.fits_conv(torch.nn.Conv2d(64, 4, 3, padding=1))  # conv_out
+    assert not conv_amx.fits_conv(torch.nn.Conv2d(64, 32, 3, stride=2, padding=1))
+    assert not conv_amx.fits_conv(torch.nn.Conv2d(64, 32, 1))
+
+
+def test_eager_conv_is_torchs_on_bf16_operands_and_narrow_inputs_take_im2col():
+    register()
+    conv_amx.register()
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(64, 32, 3, padding=1)
+    xh = torch.randn(2, 5, 32, 64)
+    with torch.no_grad():
+        got = conv_amx.conv3x3_amx_nhwc(conv, xh)
+        want = _bf16_conv(conv, xh)
+        assert got.shape == (2, 5, 32, 32)
+        assert _rel(got, want) < 1e-5  # the same bf16 products, summed in f32
+        narrow = torch.randn(1, 8, 16, 64)  # below MIN_WIDTH: im2col
+        assert _rel(conv_amx.conv3x3_amx_nhwc(conv, narrow), _bf16_conv(conv, narrow)) < 1e-5
+        nchw = conv_amx.conv3x3_amx(conv, xh.permute(0, 3, 1, 2))
+        torch.testing.assert_close(nchw, got.permute(0, 3, 1, 2))
+
+
+@pytest.mark.parametrize("n,h,w,c,o", [(2, 6, 32, 64, 96), (1, 4, 40, 32, 64)])
+def test_exported_conv_is_one_kernel_dispatch_and_matches(n, h, w, c, o):
+    iree_aot = pytest.importorskip("iree.turbine.aot")
+    register()
+    conv_amx.register()
+    torch.manual_seed(n + w)
+    conv = torch.nn.Conv2d(c, o, 3, padding=1).requires_grad_(False)
+
+    class Conv(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv
+
+        def forward(self, xh):
+            return conv_amx.conv3x3_amx_nhwc(self.conv, xh)
+
+    xh = torch.randn(n, h, w, c)
+    text = str(iree_aot.export(Conv(), args=(xh,)).mlir_module)
+    assert text.count("flow.dispatch @sdiree_amx_conv3x3_") == 1
+    assert "sdiree_amx_matmul" not in text
+    out = run_amx_main(text, xh.numpy(), kernel=KERNEL_SYMBOL)
+    if out is None:  # this CPU lacks AMX: cross-compiled only
+        return
+    want = _bf16_conv(conv, xh).numpy()
+    assert out.shape == want.shape
+    assert np.abs(out - want).max() / np.abs(want).max() < 1e-5
