@@ -139,15 +139,20 @@ class ChunkedAttnProcessor:
             context = encoder_hidden_states
             if attn.norm_cross:
                 context = attn.norm_encoder_hidden_states(context)
-        key = attn.head_to_batch_dim(attn.to_k(context))
-        value = attn.head_to_batch_dim(attn.to_v(context))
-        query = attn.head_to_batch_dim(query)
-        dtype = query.dtype
-        if attn.upcast_attention or attn.upcast_softmax:
-            query, key, value = query.float(), key.float(), value.float()
-            mask = None if mask is None else mask.float()
-        out = self.attend(query, key, value, attn.scale, mask).to(dtype)
-        hidden_states = attn.to_out[1](attn.to_out[0](attn.batch_to_head_dim(out)))
+        key, value = attn.to_k(context), attn.to_v(context)
+        if self.heads_in_place(query, key, attn.heads, mask):
+            # the fused AMX kernel on the projections as they are: no head split or merge
+            out = attention_amx.amx_attention_heads(query, key, value, attn.heads, attn.scale)
+            hidden_states = attn.to_out[1](attn.to_out[0](out.to(query.dtype)))
+        else:
+            key, value = attn.head_to_batch_dim(key), attn.head_to_batch_dim(value)
+            query = attn.head_to_batch_dim(query)
+            dtype = query.dtype
+            if attn.upcast_attention or attn.upcast_softmax:
+                query, key, value = query.float(), key.float(), value.float()
+                mask = None if mask is None else mask.float()
+            out = self.attend(query, key, value, attn.scale, mask).to(dtype)
+            hidden_states = attn.to_out[1](attn.to_out[0](attn.batch_to_head_dim(out)))
         if input_ndim == 4:
             hidden_states = hidden_states.transpose(-1, -2).reshape(batch, channel, height, width)
         if attn.residual_connection:
@@ -160,6 +165,16 @@ class ChunkedAttnProcessor:
 
     def attend(self, query, key, value, scale, mask):
         return chunked_attention(query, key, value, scale, mask, self.block_bytes, self.matmul)
+
+    def heads_in_place(self, query, key, heads: int, mask) -> bool:
+        """Whether attention on these projections goes to the fused AMX kernel as they are
+        (`matmul_kernel: amx`, float32, what attention_amx.fits takes)."""
+        return (
+            self.matmul == "amx"
+            and query.dtype == torch.float32
+            and key.dtype == torch.float32
+            and attention_amx.fits_heads(query, key, heads, mask)
+        )
 
 
 def fused_attention(query, key, value, scale, mask):

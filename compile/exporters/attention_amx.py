@@ -61,14 +61,41 @@ def fits(query: torch.Tensor, key: torch.Tensor, mask) -> bool:
     )
 
 
+def fits_heads(query: torch.Tensor, key: torch.Tensor, heads: int, mask) -> bool:
+    """fits() for projections [batch, tokens, heads * dim] (amx_attention_heads)."""
+    d = query.shape[-1] // heads
+    return fits(query[:1, :, :d], key[:1, :, :d], mask)
+
+
 def amx_attention(query, key, value, scale: float) -> torch.Tensor:
     """softmax(query key^T * scale) value on [batch*heads, tokens, dim] fp32 tensors, on the
     kernel (`register()` first, outside a trace)."""
+    return _attend(query[:, :, None], key, value, scale)[:, :, 0]
+
+
+def amx_attention_heads(query, key, value, heads: int, scale: float) -> torch.Tensor:
+    """The same on the projections [batch, tokens, heads * dim], the result in that layout too:
+    the kernel reads each head's queries and writes its output in place (strided rows), so no
+    transpose splits the heads of q or merges those of the output (the keys' and values' split
+    is part of their packing); [batch, queries, heads * dim]."""
+    b, nq, hd = query.shape
+    d = hd // heads
+
+    def split(t):
+        return t.reshape(b, -1, heads, d).permute(0, 2, 1, 3).reshape(b * heads, -1, d)
+
+    out = _attend(query.reshape(b, nq, heads, d), split(key), split(value), scale)
+    return out.reshape(b, nq, hd)
+
+
+def _attend(q4, key, value, scale: float) -> torch.Tensor:
+    """q4 [batch, queries, heads, dim]; key, value [batch*heads, keys, dim]: [batch, queries,
+    heads, dim]."""
     F = torch.nn.functional
-    d = query.shape[-1]
+    d = q4.shape[-1]
     pad = padded(d) - d
     extra = -key.shape[1] % MULTIPLE  # padded keys, masked out in the first padded column
-    q = query * (scale * LOG2_E)
+    q = q4 * (scale * LOG2_E)
     if extra:
         q = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)
         column = F.pad(torch.zeros_like(key[..., :1]), (0, 0, 0, extra), value=MASKED_OUT)
@@ -95,10 +122,10 @@ _TEMPLATE = (
     builtin.module {{
       func.func private @sdiree_amx_bf16_attention_workgroup(memref<bf16>, index, memref<bf16>,
           index, memref<bf16>, index, memref<f32>, index, index, index, index, index, index,
-          index, index) -> i32 attributes {{hal.import.static, llvm.bareptr = true}}
+          index, index, index) -> i32 attributes {{hal.import.static, llvm.bareptr = true}}
       func.func @{name}(%q: !stream.binding, %k: !stream.binding, %v: !stream.binding,
           %o: !stream.binding, %BH: index, %NQ: index, %NK: index, %D: index, %DV: index,
-          %DO: index) {{
+          %DO: index, %H: index) {{
         %c0 = arith.constant 0 : index
         %wq = stream.dispatch.workgroup.id[0] : index
         %wh = stream.dispatch.workgroup.id[1] : index
@@ -113,27 +140,29 @@ _TEMPLATE = (
         ("q", "bf16", "sq"), ("k", "bf16", "sk"), ("v", "bf16", "sv"), ("o", "f32", "so")
     )
     + """        %r = func.call @sdiree_amx_bf16_attention_workgroup(%q_base, %q_off, %k_base,
-            %k_off, %v_base, %v_off, %o_base, %o_off, %NQ, %NK, %D, %DV, %DO, %wq, %wh)
+            %k_off, %v_base, %v_off, %o_base, %o_off, %NQ, %NK, %D, %DV, %DO, %H, %wq, %wh)
             : (memref<bf16>, index, memref<bf16>, index, memref<bf16>, index, memref<f32>,
-            index, index, index, index, index, index, index, index) -> i32
+            index, index, index, index, index, index, index, index, index) -> i32
         return
       }}
     }}
   }}
-  util.func private @{name}(%q: tensor<{bh}x{nq}x{d}xbf16>,
+  util.func private @{name}(%q: tensor<{b}x{nq}x{h}x{d}xbf16>,
       %k: tensor<{bh}x{kj}x{d2}x16x2xbf16>, %v: tensor<{bh}x{vj}x{nk2}x16x2xbf16>)
-      -> tensor<{bh}x{nq}x{do}xf32> {{
+      -> tensor<{b}x{nq}x{h}x{do}xf32> {{
     %bh = arith.constant {bh} : index
     %nq = arith.constant {nq} : index
     %nk = arith.constant {nk} : index
     %d = arith.constant {d} : index
     %dv = arith.constant {dv} : index
     %do = arith.constant {do} : index
-    %0 = flow.dispatch @{name}_exe::@{name}[%nq, %bh](%q, %k, %v, %bh, %nq, %nk, %d, %dv, %do)
-        : (tensor<{bh}x{nq}x{d}xbf16>, tensor<{bh}x{kj}x{d2}x16x2xbf16>,
-           tensor<{bh}x{vj}x{nk2}x16x2xbf16>, index, index, index, index, index, index)
-        -> tensor<{bh}x{nq}x{do}xf32>
-    util.return %0 : tensor<{bh}x{nq}x{do}xf32>
+    %h = arith.constant {h} : index
+    %0 = flow.dispatch @{name}_exe::@{name}[%nq, %bh](%q, %k, %v, %bh, %nq, %nk, %d, %dv, %do,
+        %h)
+        : (tensor<{b}x{nq}x{h}x{d}xbf16>, tensor<{bh}x{kj}x{d2}x16x2xbf16>,
+           tensor<{bh}x{vj}x{nk2}x16x2xbf16>, index, index, index, index, index, index, index)
+        -> tensor<{b}x{nq}x{h}x{do}xf32>
+    util.return %0 : tensor<{b}x{nq}x{h}x{do}xf32>
   }}
 }}
 """
@@ -157,20 +186,23 @@ def _make_op():
             d = ksel.attr_int(3)
             for t in (q, k, v):
                 t.specialize_all_dims()
-            out = ksel.return_new_tensor([q.t.shape[0], q.t.shape[1], d.v], torch.float32)
+            out = ksel.return_new_tensor([*q.t.shape[:3], d.v], torch.float32)
             out.specialize_all_dims()
 
         def eager_execute(self, q, k, v, d):
-            scores = q.float() @ unpack_b(k).float()  # in base-2 units
+            b, nq, h, dp = q.shape
+            heads = q.permute(0, 2, 1, 3).reshape(b * h, nq, dp)
+            scores = heads.float() @ unpack_b(k).float()  # in base-2 units
             p = torch.softmax(scores * math.log(2), dim=-1)
-            return (p @ unpack_b(v).float())[..., :d]
+            out = (p @ unpack_b(v).float())[..., :d]
+            return out.reshape(b, h, nq, d).permute(0, 2, 1, 3).contiguous()
 
         def generate(self, ksel, kb):
-            bh, nq, dp = RankedTensorType(kb.arg_bindings[0].type).shape
-            _, kj, d2, _, _ = RankedTensorType(kb.arg_bindings[1].type).shape
+            b, nq, h, dp = RankedTensorType(kb.arg_bindings[0].type).shape
+            bh, kj, d2, _, _ = RankedTensorType(kb.arg_bindings[1].type).shape
             _, vj, nk2, _, _ = RankedTensorType(kb.arg_bindings[2].type).shape
             d_out = ksel.arg_descs[3].v
-            name = f"sdiree_amx_attention_{bh}x{nq}x{kj * 16}x{dp}x{d_out}"
+            name = f"sdiree_amx_attention_{b}x{nq}x{h}x{kj * 16}x{dp}x{d_out}"
             func = loader.inline_template_function(
                 kb,
                 KERNEL,
@@ -178,6 +210,8 @@ def _make_op():
                 name=name,
                 path=object_path(KERNEL),
                 block_q=QUERY_BLOCK,
+                b=b,
+                h=h,
                 bh=bh,
                 nq=nq,
                 nk=kj * 16,

@@ -8,13 +8,15 @@
    a row's scores pass its reference m by more than SLACK), and both products run on AMX tiles.
    The exporter (compile/exporters/attention_amx.py) sends attention without a mask here.
 
-   Layouts, per head h of BH (the workgroup grid is (NQ / 32, BH)):
-     q  [BH][NQ][D] bf16, already scaled, D a multiple of 32 (zero-padded head dim);
+   Layouts, per head h of BH = B x H (the workgroup grid is (NQ / 32, BH)):
+     q  [B][NQ][H][D] bf16, already scaled, D a multiple of 32 (zero-padded head dim): the
+        heads side by side in each query's row, as the projection writes them (H 1: [BH][NQ][D]);
      k  [BH][NK / 16][D / 2][16][2] bf16: each head's keys [NK, D] packed as AMX's B operand of
         Q K^T (amx_matmul.pack_b of the keys);
      v  [BH][DV / 16][NK / 2][16][2] bf16: each head's values [NK, DV] packed as the B operand of
         P V (pack_b of the values' transpose), DV a multiple of 32, at most 160;
-     o  [BH][NQ][DO] f32: the first DO <= DV columns of the normalized output.
+     o  [B][NQ][H][DO] f32: the first DO <= DV columns of the normalized output, the heads
+        side by side again, as the output projection reads them.
    NQ and NK are multiples of 32. q comes scaled by log2(e) too, so the softmax's exponentials are
    powers of 2. The probabilities P are rounded to bf16 for the product; the row sums l are summed
    in f32 before that rounding (its errors are unbiased and average out over a row).
@@ -31,13 +33,13 @@
 int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, const uint16_t *k,
                                         size_t k_offset, const uint16_t *v, size_t v_offset,
                                         float *o, size_t o_offset, size_t NQ, size_t NK, size_t D,
-                                        size_t DV, size_t DO, size_t wg_q, size_t wg_h) {
+                                        size_t DV, size_t DO, size_t H, size_t wg_q, size_t wg_h) {
   sdiree_request_amx();
-  const size_t q0 = wg_q * QB;
-  const uint8_t *qh = (const uint8_t *)(q + q_offset + (wg_h * NQ + q0) * D);
+  const size_t q0 = wg_q * QB, first = (wg_h / H * NQ + q0) * H + wg_h % H; /* its first row */
+  const uint8_t *qh = (const uint8_t *)(q + q_offset + first * D);
   const uint8_t *kh = (const uint8_t *)(k + k_offset + wg_h * NK * D);
   const uint8_t *vh = (const uint8_t *)(v + v_offset + wg_h * NK * DV);
-  float *oh = o + o_offset + (wg_h * NQ + q0) * DO;
+  float *oh = o + o_offset + first * DO;
 
   float s[QB][KB] __attribute__((aligned(64)));
   uint16_t p[QB][KB] __attribute__((aligned(64)));
@@ -51,7 +53,7 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
 
   sdiree_configure_tiles();
 
-  const size_t ldq = D * 2, k_strip = D * 32, v_strip = NK * 32; /* bytes */
+  const size_t ldq = H * D * 2, k_strip = D * 32, v_strip = NK * 32; /* bytes */
   for (size_t kb = 0; kb < NK; kb += KB) {
     const size_t len = NK - kb < KB ? NK - kb : KB;
     /* s = q k^T for keys [kb, kb + len), 32 x 32 at a time */
@@ -117,7 +119,7 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
 
   for (int r = 0; r < QB; ++r) {
     const float inv = 1.0f / l[r];
-    for (size_t c = 0; c < DO; ++c) oh[r * DO + c] = acc[r][c] * inv;
+    for (size_t c = 0; c < DO; ++c) oh[r * H * DO + c] = acc[r][c] * inv;
   }
   return 0;
 }

@@ -91,3 +91,74 @@ def test_exported_attention_is_one_kernel_dispatch_and_matches(bh, nq, nk, d):
     # kernel's rounding of the probabilities to bf16 (2^-9 relative)
     eager = Attend()(q, k, v).numpy()
     assert np.abs(out - eager).max() / np.abs(eager).max() < 5e-3
+
+
+def _split(t, heads):
+    b, n, hd = t.shape
+    return t.reshape(b, n, heads, hd // heads).permute(0, 2, 1, 3).reshape(b * heads, n, -1)
+
+
+def _merge(t, b):
+    bh, n, d = t.shape
+    return t.reshape(b, bh // b, n, d).permute(0, 2, 1, 3).reshape(b, n, -1)
+
+
+@pytest.mark.parametrize("nk", [96, 77])
+def test_heads_in_place_is_attention_per_head(nk):
+    """amx_attention_heads on the projections [batch, tokens, heads * dim] is amx_attention on
+    the split heads, merged back."""
+    attention_amx.register()
+    torch.manual_seed(nk)
+    q, k, v = torch.randn(2, 64, 120), torch.randn(2, nk, 120), torch.randn(2, nk, 120)
+    assert attention_amx.fits_heads(q, k, 3, None)
+    got = attention_amx.amx_attention_heads(q, k, v, 3, 40**-0.5)
+    split = attention_amx.amx_attention(_split(q, 3), _split(k, 3), _split(v, 3), 40**-0.5)
+    torch.testing.assert_close(got, _merge(split, 2), rtol=1e-6, atol=1e-6)
+    want = _merge(_attention64(_split(q, 3), _split(k, 3), _split(v, 3), 40**-0.5), 2)
+    assert _rel(got, want) < 2e-2
+
+
+def test_exported_heads_in_place_read_and_write_strided_rows():
+    iree_aot = pytest.importorskip("iree.turbine.aot")
+    attention_amx.register()
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return attention_amx.amx_attention_heads(q, k, v, 4, 40**-0.5)
+
+    torch.manual_seed(7)
+    q, k, v = torch.randn(2, 64, 160) * 3, torch.randn(2, 77, 160), torch.randn(2, 77, 160)
+    text = str(iree_aot.export(Attend(), args=(q, k, v)).mlir_module)
+    assert text.count("flow.dispatch @sdiree_amx_attention_2x64x4x") == 1
+    out = run_amx_main(text, q.numpy(), k.numpy(), v.numpy(), kernel=KERNEL_SYMBOL)
+    if out is None:
+        return
+    want = _merge(_attention64(_split(q, 4), _split(k, 4), _split(v, 4), 40**-0.5), 2).numpy()
+    assert out.shape == want.shape
+    assert np.abs(out - want).max() / np.abs(want).max() < 2e-2
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_chunked_processor_sends_the_projections_as_they_are(monkeypatch, cross):
+    """ChunkedAttnProcessor under amx calls the kernel on [batch, tokens, heads * dim] (self-
+    and cross-attention, 77 text keys), within bf16's rounding of diffusers' attention."""
+    from diffusers.models.attention_processor import Attention
+
+    from sdiree.compile.exporters.attention import ChunkedAttnProcessor
+
+    attention_amx.register()
+    torch.manual_seed(11)
+    attn = Attention(120, heads=3, dim_head=40, cross_attention_dim=48 if cross else None).eval()
+    x = torch.randn(2, 64, 120)
+    ctx = torch.randn(2, 77, 48) if cross else None
+    with torch.no_grad():
+        want = attn(x, ctx)
+        calls = []
+        inner = attention_amx.amx_attention_heads
+        monkeypatch.setattr(
+            attention_amx, "amx_attention_heads", lambda *a: calls.append(a[0].shape) or inner(*a)
+        )
+        attn.set_processor(ChunkedAttnProcessor(matmul="amx"))
+        got = attn(x, ctx)
+    assert calls == [(2, 64, 120)]
+    assert 1e-5 < _rel(got, want) < 2e-2
