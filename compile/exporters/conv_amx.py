@@ -12,9 +12,9 @@ padded position; the graph keeps the real pixels' rows. The weight, packed per t
 ([9, O / 16, C / 2, 16, 2]), is a constant expression of the conv's own weight, which the
 parameter encoder computes at compile: no derived weights, no Winograd archive.
 
-`fits_conv`: 3x3, stride 1, padding 1, no groups or dilation, input and output channels
-multiples of 32; and at the call an input width of at least MIN_WIDTH, else the conv takes its
-im2col matmul. conv_matmul.py gives a conv this lowering where its input's side is at least
+`fits_conv`: 3x3, stride 1, padding 1, no groups or dilation (channels that are not multiples
+of 32, as conv_in's 4 latent channels, are zero-padded to one); and at the call an input width
+of at least MIN_WIDTH, else the conv takes its im2col matmul. conv_matmul.py gives a conv this lowering where its input's side is at least
 MIN_WIDTH, Winograd below: on one Intel AMX core pair, batch 2, Winograd F(2x2) (split,
 interleaved) against this, 320 channels at 64x64 16.0 -> 7.9 ms, 640 at 32x32 9.7 -> 7.9, but
 1280 at 16x16 5.9 -> 8.2 (the kernel runs near AMX's peak there; Winograd's 2.25x fewer
@@ -52,8 +52,6 @@ def fits_conv(conv: torch.nn.Conv2d) -> bool:
         and tuple(conv.kernel_size) == (3, 3)
         and tuple(conv.stride) == (1, 1)
         and tuple(conv.padding) == (1, 1)
-        and conv.in_channels % MULTIPLE == 0
-        and conv.out_channels % MULTIPLE == 0
     )
 
 
@@ -69,12 +67,16 @@ def conv3x3_amx_nhwc(conv: torch.nn.Conv2d, xh: torch.Tensor) -> torch.Tensor:
     if not (fits_conv(conv) and isinstance(w, int) and w >= MIN_WIDTH):
         return conv2d_as_matmul_nhwc(conv, xh, "amx")
     o, row = conv.out_channels, w + 2
+    # channels zero-padded to the kernel's multiple (conv_in's 4 latent channels, conv_out's 4
+    # or 3 outputs): zeros add nothing, the padded outputs are dropped
+    c_pad, o_pad = -c % MULTIPLE, -o % MULTIPLE
     positions = n * (h + 2) * row
     m = -(-positions // MULTIPLE) * MULTIPLE
-    xp = F.pad(xh, (0, 0, 1, 1, 1, 1)).reshape(positions, c)
+    xp = F.pad(xh, (0, c_pad, 1, 1, 1, 1)).reshape(positions, c + c_pad)
     xp = F.pad(xp, (0, 0, 0, m - positions + 2 * row + 2)).to(torch.bfloat16)
-    y = _OP(xp, pack_taps(conv.weight), row)
-    y = y[:positions].reshape(n, h + 2, row, o)[:, :h, :w]
+    weight = F.pad(conv.weight, (0, 0, 0, 0, 0, c_pad, 0, o_pad))
+    y = _OP(xp, pack_taps(weight), row)
+    y = y[:positions, :o].reshape(n, h + 2, row, o)[:, :h, :w]
     return y if conv.bias is None else y + conv.bias
 
 

@@ -31,10 +31,10 @@ def _rel(a, b) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
-def test_fits_3x3_stride_1_convs_of_channel_multiples_of_32():
+def test_fits_3x3_stride_1_convs():
     assert conv_amx.fits_conv(torch.nn.Conv2d(64, 32, 3, padding=1))
-    assert not conv_amx.fits_conv(torch.nn.Conv2d(4, 32, 3, padding=1))  # conv_in's latents
-    assert not conv_amx.fits_conv(torch.nn.Conv2d(64, 4, 3, padding=1))  # conv_out
+    assert conv_amx.fits_conv(torch.nn.Conv2d(4, 32, 3, padding=1))  # conv_in: channels padded
+    assert conv_amx.fits_conv(torch.nn.Conv2d(64, 4, 3, padding=1))  # conv_out
     assert not conv_amx.fits_conv(torch.nn.Conv2d(64, 32, 3, stride=2, padding=1))
     assert not conv_amx.fits_conv(torch.nn.Conv2d(64, 32, 1))
 
@@ -56,7 +56,9 @@ def test_eager_conv_is_torchs_on_bf16_operands_and_narrow_inputs_take_im2col():
         torch.testing.assert_close(nchw, got.permute(0, 3, 1, 2))
 
 
-@pytest.mark.parametrize("n,h,w,c,o", [(2, 6, 32, 64, 96), (1, 4, 40, 32, 64)])
+@pytest.mark.parametrize(
+    "n,h,w,c,o", [(2, 6, 32, 64, 96), (1, 4, 40, 32, 64), (1, 3, 32, 4, 64), (2, 2, 32, 64, 3)]
+)
 def test_exported_conv_is_one_kernel_dispatch_and_matches(n, h, w, c, o):
     iree_aot = pytest.importorskip("iree.turbine.aot")
     register()
