@@ -20,8 +20,10 @@ from sdiree.runtime.targets import UNET_ONLY_EXPORT
 # 9: the text encoder takes token embeddings and the end-of-text positions instead of ids
 # (textual-inversion embeddings at run time, runtime/text_inputs.py); 10: under `matmul_kernel:
 # amx`, attention as one fused kernel dispatch, batched Winograd products and im2col matmuls on
-# the AMX kernel, and under `linear: amx` a GEGLU as one kernel dispatch.
-EXPORTER_REVISION = 10
+# the AMX kernel, and under `linear: amx` a GEGLU as one kernel dispatch; 11: under
+# `matmul_kernel: amx`, 3x3 convs on the AMX conv kernel (channels padded), cross-attention on the
+# fused kernel, heads in place, text rows padded for the kernel, GEGLU's result kept in bf16.
+EXPORTER_REVISION = 11
 # Bumped when weights derived at export (Winograd) are computed differently, so that cached
 # derived archives written before are written again (compile/driver.py). 2: rounded once to the
 # export dtype; before, an fp16 file compiled in fp32 had its transformed weights rounded to fp16

@@ -172,6 +172,29 @@ def object_path(kernel: str = KERNEL) -> str:
     return str(build_object(kernel, ISA_FLAGS))
 
 
+def select_static(ksel, tensors: int, attrs: int, result) -> None:
+    """A kernel op's `select`: its first `tensors` arguments with every dim static, then its
+    result, static too: result(argument shapes, *the int attributes after them) -> (shape,
+    dtype)."""
+    args = [ksel.arg_tensor(i) for i in range(tensors)]
+    for a in args:
+        a.specialize_all_dims()
+    values = [ksel.attr_int(tensors + i).v for i in range(attrs)]
+    shape, dtype = result([list(a.t.shape) for a in args], *values)
+    ksel.return_new_tensor(shape, dtype).specialize_all_dims()
+
+
+def emit_call(loader, kb, kernel: str, name: str, tensors: int, **values) -> None:
+    """A kernel op's `generate`: the template formatted with values, linking kernel's object,
+    called on the op's first `tensors` arguments."""
+    from iree.turbine.runtime.op_reg import impl_helper
+
+    func = loader.inline_template_function(
+        kb, kernel, name, name=name, path=object_path(kernel), **values
+    )
+    kb.yield_results(*impl_helper.call_function(func, *kb.arg_bindings[:tensors]))
+
+
 def template_loader(template: str):
     """An iree-turbine TemplateLoader that formats `template` with a kernel's arguments (the
     MLIR bindings made fit for turbine first)."""
@@ -198,7 +221,7 @@ def _mlir_binding_compat() -> None:
 
 
 def _make_op():
-    from iree.turbine.runtime.op_reg import CustomOp, def_library, impl_helper
+    from iree.turbine.runtime.op_reg import CustomOp, def_library
     from iree.turbine.support.ir_imports import RankedTensorType
 
     loader = template_loader(_TEMPLATE)
@@ -208,13 +231,7 @@ def _make_op():
         signature = "amx_bf16_matmul(Tensor a, Tensor b) -> (Tensor)"
 
         def select(self, ksel):
-            a = ksel.arg_tensor(0)
-            b = ksel.arg_tensor(1)
-            a.specialize_all_dims()
-            b.specialize_all_dims()
-            shape = [*a.t.shape[:-1], b.t.shape[-4] * 16]
-            c = ksel.return_new_tensor(shape, torch.float32)
-            c.specialize_all_dims()
+            select_static(ksel, 2, 0, lambda s: ([*s[0][:-1], s[1][-4] * 16], torch.float32))
 
         def eager_execute(self, a, b):
             return a.float() @ unpack_b(b).float()
@@ -223,13 +240,12 @@ def _make_op():
             *batch, m, k = RankedTensorType(kb.arg_bindings[0].type).shape
             j, k2 = RankedTensorType(kb.arg_bindings[1].type).shape[-4:-2]
             lead = "".join(f"{d}x" for d in batch)
-            name = f"sdiree_amx_matmul_{lead}{m}x{k}x{j * 16}"
-            func = loader.inline_template_function(
+            emit_call(
+                loader,
                 kb,
                 KERNEL,
-                name,
-                name=name,
-                path=object_path(),
+                f"sdiree_amx_matmul_{lead}{m}x{k}x{j * 16}",
+                2,
                 block_m=BLOCK_M,
                 block_n=BLOCK_N,
                 bt=batch[0] if batch else 1,
@@ -240,6 +256,5 @@ def _make_op():
                 b_type=f"tensor<{lead}{j}x{k2}x16x2xbf16>",
                 c_type=f"tensor<{lead}{m}x{j * 16}xf32>",
             )
-            kb.yield_results(*impl_helper.call_function(func, *kb.arg_bindings))
 
     return amx_bf16_matmul

@@ -31,8 +31,9 @@ from .amx_matmul import (
     TEMPLATE_HEAD,
     KernelOp,
     buffer_views,
-    object_path,
+    emit_call,
     pack_b,
+    select_static,
     template_loader,
     unpack_b,
 )
@@ -170,7 +171,7 @@ _TEMPLATE = (
 
 
 def _make_op():
-    from iree.turbine.runtime.op_reg import CustomOp, def_library, impl_helper
+    from iree.turbine.runtime.op_reg import CustomOp, def_library
     from iree.turbine.support.ir_imports import RankedTensorType
 
     loader = template_loader(_TEMPLATE)
@@ -180,14 +181,7 @@ def _make_op():
         signature = "amx_bf16_attention(Tensor q, Tensor k, Tensor v, int d) -> (Tensor)"
 
         def select(self, ksel):
-            q = ksel.arg_tensor(0)
-            k = ksel.arg_tensor(1)
-            v = ksel.arg_tensor(2)
-            d = ksel.attr_int(3)
-            for t in (q, k, v):
-                t.specialize_all_dims()
-            out = ksel.return_new_tensor([*q.t.shape[:3], d.v], torch.float32)
-            out.specialize_all_dims()
+            select_static(ksel, 3, 1, lambda s, d: ([*s[0][:3], d], torch.float32))
 
         def eager_execute(self, q, k, v, d):
             b, nq, h, dp = q.shape
@@ -202,13 +196,12 @@ def _make_op():
             bh, kj, d2, _, _ = RankedTensorType(kb.arg_bindings[1].type).shape
             _, vj, nk2, _, _ = RankedTensorType(kb.arg_bindings[2].type).shape
             d_out = ksel.arg_descs[3].v
-            name = f"sdiree_amx_attention_{b}x{nq}x{h}x{kj * 16}x{dp}x{d_out}"
-            func = loader.inline_template_function(
+            emit_call(
+                loader,
                 kb,
                 KERNEL,
-                name,
-                name=name,
-                path=object_path(KERNEL),
+                f"sdiree_amx_attention_{b}x{nq}x{h}x{kj * 16}x{dp}x{d_out}",
+                3,
                 block_q=QUERY_BLOCK,
                 b=b,
                 h=h,
@@ -223,6 +216,5 @@ def _make_op():
                 vj=vj,
                 nk2=nk2,
             )
-            kb.yield_results(*impl_helper.call_function(func, *kb.arg_bindings[:3]))
 
     return amx_bf16_attention

@@ -34,8 +34,9 @@ from .amx_matmul import (
     TEMPLATE_HEAD,
     KernelOp,
     buffer_views,
-    object_path,
+    emit_call,
     pack_b,
+    select_static,
     template_loader,
     unpack_b,
 )
@@ -151,7 +152,7 @@ _TEMPLATE = (
 
 
 def _make_op():
-    from iree.turbine.runtime.op_reg import CustomOp, def_library, impl_helper
+    from iree.turbine.runtime.op_reg import CustomOp, def_library
     from iree.turbine.support.ir_imports import RankedTensorType
 
     loader = template_loader(_TEMPLATE)
@@ -161,14 +162,9 @@ def _make_op():
         signature = "amx_bf16_conv3x3(Tensor a, Tensor b, int row) -> (Tensor)"
 
         def select(self, ksel):
-            a = ksel.arg_tensor(0)
-            b = ksel.arg_tensor(1)
-            row = ksel.attr_int(2)
-            a.specialize_all_dims()
-            b.specialize_all_dims()
-            m = a.t.shape[0] - 2 * row.v - 2
-            out = ksel.return_new_tensor([m, b.t.shape[1] * 16], torch.float32)
-            out.specialize_all_dims()
+            select_static(
+                ksel, 2, 1, lambda s, row: ([s[0][0] - 2 * row - 2, s[1][1] * 16], torch.float32)
+            )
 
         def eager_execute(self, a, b, row):
             return _eager(a, b, row)
@@ -178,13 +174,12 @@ def _make_op():
             _, j, k2 = RankedTensorType(kb.arg_bindings[1].type).shape[:3]
             row = ksel.arg_descs[2].v
             m = rows - 2 * row - 2
-            name = f"sdiree_amx_conv3x3_{m}x{k}x{j * 16}r{row}"
-            func = loader.inline_template_function(
+            emit_call(
+                loader,
                 kb,
                 KERNEL,
-                name,
-                name=name,
-                path=object_path(),
+                f"sdiree_amx_conv3x3_{m}x{k}x{j * 16}r{row}",
+                2,
                 block_m=BLOCK_M,
                 block_n=BLOCK_N,
                 m=m,
@@ -195,6 +190,5 @@ def _make_op():
                 row=row,
                 rows=rows,
             )
-            kb.yield_results(*impl_helper.call_function(func, *kb.arg_bindings[:2]))
 
     return amx_bf16_conv3x3

@@ -21,8 +21,9 @@ from .amx_matmul import (
     TEMPLATE_HEAD,
     KernelOp,
     buffer_views,
-    object_path,
+    emit_call,
     pack_b,
+    select_static,
     template_loader,
     unpack_b,
 )
@@ -110,7 +111,7 @@ def _eager(a: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor) -> torch.T
 
 
 def _make_op():
-    from iree.turbine.runtime.op_reg import CustomOp, def_library, impl_helper
+    from iree.turbine.runtime.op_reg import CustomOp, def_library
     from iree.turbine.support.ir_imports import RankedTensorType
 
     loader = template_loader(_TEMPLATE)
@@ -120,13 +121,7 @@ def _make_op():
         signature = "amx_bf16_geglu(Tensor a, Tensor b, Tensor bias) -> (Tensor)"
 
         def select(self, ksel):
-            a = ksel.arg_tensor(0)
-            b = ksel.arg_tensor(1)
-            bias = ksel.arg_tensor(2)
-            for t in (a, b, bias):
-                t.specialize_all_dims()
-            out = ksel.return_new_tensor([a.t.shape[0], b.t.shape[0] * 8], torch.bfloat16)
-            out.specialize_all_dims()
+            select_static(ksel, 3, 0, lambda s: ([s[0][0], s[1][0] * 8], torch.bfloat16))
 
         def eager_execute(self, a, b, bias):
             return _eager(a, b, bias)
@@ -134,13 +129,12 @@ def _make_op():
         def generate(self, ksel, kb):
             m, k = RankedTensorType(kb.arg_bindings[0].type).shape
             j, k2 = RankedTensorType(kb.arg_bindings[1].type).shape[:2]
-            name = f"sdiree_amx_geglu_{m}x{k}x{j * 16}"
-            func = loader.inline_template_function(
+            emit_call(
+                loader,
                 kb,
                 KERNEL,
-                name,
-                name=name,
-                path=object_path(),
+                f"sdiree_amx_geglu_{m}x{k}x{j * 16}",
+                3,
                 block_m=BLOCK_M,
                 block_n=BLOCK_N,
                 m=m,
@@ -150,6 +144,5 @@ def _make_op():
                 j=j,
                 k2=k2,
             )
-            kb.yield_results(*impl_helper.call_function(func, *kb.arg_bindings))
 
     return amx_bf16_geglu

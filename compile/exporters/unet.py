@@ -40,6 +40,9 @@ class UNetEntry(torch.nn.Module):
         added = None
         if text_embeds is not None:
             added = {"text_embeds": text_embeds, "time_ids": time_ids}
+        return self.denoise(sample, timestep, encoder_hidden_states, added)
+
+    def denoise(self, sample, timestep, encoder_hidden_states, added):
         return self.unet(
             sample, timestep, encoder_hidden_states, added_cond_kwargs=added, return_dict=False
         )[0]
@@ -48,14 +51,9 @@ class UNetEntry(torch.nn.Module):
 class UNetEntryChannelsLast(UNetEntry):
     """UNetEntry with the UNet's activations channels-last (unet_channels_last.py)."""
 
-    def forward(self, sample, timestep, encoder_hidden_states, text_embeds=None, time_ids=None):
+    def denoise(self, sample, timestep, encoder_hidden_states, added):
         from .unet_channels_last import denoise
 
-        if encoder_hidden_states.shape[0] == 2 * sample.shape[0]:
-            sample = torch.cat([sample, sample])
-        added = None
-        if text_embeds is not None:
-            added = {"text_embeds": text_embeds, "time_ids": time_ids}
         return denoise(self.unet, sample, timestep, encoder_hidden_states, added)
 
 

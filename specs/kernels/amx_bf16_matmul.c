@@ -25,28 +25,35 @@
 #define SDIREE_AMX_NB 64
 #endif
 
-int sdiree_amx_bf16_matmul_workgroup(const uint16_t *a, size_t a_offset, const uint16_t *b,
-                                     size_t b_offset, float *c, size_t c_offset, size_t M,
-                                     size_t N, size_t K, size_t wg_n, size_t wg_m) {
-  sdiree_request_amx();
-  a += a_offset;
-  b += b_offset;
-  c += c_offset;
+/* One workgroup's block of C = sum over taps t of A shifted by shifts[t] rows, times B_t (the
+   taps' packed B operands one after another): the matmul is one tap, the 3x3 conv below nine. */
+static inline void sdiree_taps_workgroup(const uint16_t *a, const uint16_t *b, float *c, size_t M,
+                                         size_t N, size_t K, const size_t *shifts, size_t taps,
+                                         size_t wg_n, size_t wg_m) {
   sdiree_configure_tiles();
   const size_t m_begin = wg_m * SDIREE_AMX_MB, n_begin = wg_n * SDIREE_AMX_NB;
   const size_t m_end = m_begin + SDIREE_AMX_MB < M ? m_begin + SDIREE_AMX_MB : M;
   const size_t n_end = n_begin + SDIREE_AMX_NB < N ? n_begin + SDIREE_AMX_NB : N;
-  const size_t lda = K * 2, ldc = N * 4, strip = K * 32; /* bytes */
+  const size_t lda = K * 2, ldc = N * 4, strip = K * 32, tap_bytes = N * K * 2; /* bytes */
   for (size_t n = n_begin; n < n_end; n += 32) {
-    const uint8_t *b0 = (const uint8_t *)b + (n / 16) * strip;
-    const uint8_t *b1 = b0 + strip;
     for (size_t m = m_begin; m < m_end; m += 32) {
       sdiree_zero_32x32();
-      sdiree_dp_32x32(a + m * K, lda, b0, b1, K);
+      for (size_t t = 0; t < taps; ++t) {
+        const uint8_t *b0 = (const uint8_t *)b + t * tap_bytes + (n / 16) * strip;
+        sdiree_dp_32x32(a + (m + shifts[t]) * K, lda, b0, b0 + strip, K);
+      }
       sdiree_store_32x32(c + m * N + n, ldc);
     }
   }
   _tile_release();
+}
+
+int sdiree_amx_bf16_matmul_workgroup(const uint16_t *a, size_t a_offset, const uint16_t *b,
+                                     size_t b_offset, float *c, size_t c_offset, size_t M,
+                                     size_t N, size_t K, size_t wg_n, size_t wg_m) {
+  sdiree_request_amx();
+  const size_t none = 0;
+  sdiree_taps_workgroup(a + a_offset, b + b_offset, c + c_offset, M, N, K, &none, 1, wg_n, wg_m);
   return 0;
 }
 
@@ -125,24 +132,8 @@ int sdiree_amx_bf16_conv3x3_workgroup(const uint16_t *a, size_t a_offset, const 
                                       size_t b_offset, float *c, size_t c_offset, size_t M,
                                       size_t N, size_t K, size_t row, size_t wg_n, size_t wg_m) {
   sdiree_request_amx();
-  a += a_offset;
-  b += b_offset;
-  c += c_offset;
-  sdiree_configure_tiles();
-  const size_t m_begin = wg_m * SDIREE_AMX_MB, n_begin = wg_n * SDIREE_AMX_NB;
-  const size_t m_end = m_begin + SDIREE_AMX_MB < M ? m_begin + SDIREE_AMX_MB : M;
-  const size_t n_end = n_begin + SDIREE_AMX_NB < N ? n_begin + SDIREE_AMX_NB : N;
-  const size_t lda = K * 2, ldc = N * 4, strip = K * 32, tap_bytes = N * K * 2; /* bytes */
-  for (size_t n = n_begin; n < n_end; n += 32) {
-    for (size_t m = m_begin; m < m_end; m += 32) {
-      sdiree_zero_32x32();
-      for (size_t t = 0; t < 9; ++t) {
-        const uint8_t *b0 = (const uint8_t *)b + t * tap_bytes + (n / 16) * strip;
-        sdiree_dp_32x32(a + (m + (t / 3) * row + t % 3) * K, lda, b0, b0 + strip, K);
-      }
-      sdiree_store_32x32(c + m * N + n, ldc);
-    }
-  }
-  _tile_release();
+  size_t shifts[9];
+  for (size_t t = 0; t < 9; ++t) shifts[t] = (t / 3) * row + t % 3;
+  sdiree_taps_workgroup(a + a_offset, b + b_offset, c + c_offset, M, N, K, shifts, 9, wg_n, wg_m);
   return 0;
 }
