@@ -94,6 +94,17 @@ module {{
 """
 
 
+# The export of a kernel whose workgroup grid is (N / block_n, M / block_m): a 2-D matmul's.
+GRID_MN = """    stream.executable.export public @{name} workgroups(%m: index, %n: index)
+        -> (index, index, index) {{
+      %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_n})>()[%n]
+      %y = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_m})>()[%m]
+      %c1 = arith.constant 1 : index
+      stream.return %x, %y, %c1 : index, index, index
+    }}
+"""
+
+
 def buffer_views(*views: tuple[str, str, str]) -> str:
     """Template lines (braces doubled, for str.format) that give each binding %<b> (binding,
     element type, the SSA value of its element count) as the base pointer %<b>_base and element

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from .amx_matmul import (
     BLOCK_M,
     BLOCK_N,
+    GRID_MN,
     KERNEL,
     MULTIPLE,
     TEMPLATE_HEAD,
@@ -104,14 +105,8 @@ def _eager(a: torch.Tensor, packed: torch.Tensor, row: int) -> torch.Tensor:
 
 _TEMPLATE = (
     TEMPLATE_HEAD
-    + """    stream.executable.export public @{name} workgroups(%m: index, %n: index)
-        -> (index, index, index) {{
-      %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_n})>()[%n]
-      %y = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_m})>()[%m]
-      %c1 = arith.constant 1 : index
-      stream.return %x, %y, %c1 : index, index, index
-    }}
-    builtin.module {{
+    + GRID_MN
+    + """    builtin.module {{
       func.func private @sdiree_amx_bf16_conv3x3_workgroup(memref<bf16>, index, memref<bf16>,
           index, memref<f32>, index, index, index, index, index, index, index) -> i32
           attributes {{hal.import.static, llvm.bareptr = true}}

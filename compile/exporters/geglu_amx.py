@@ -16,6 +16,7 @@ import torch
 
 from .amx_matmul import (
     BLOCK_M,
+    GRID_MN,
     KERNEL,
     MULTIPLE,
     TEMPLATE_HEAD,
@@ -54,14 +55,8 @@ register = _OP.register
 
 _TEMPLATE = (
     TEMPLATE_HEAD
-    + """    stream.executable.export public @{name} workgroups(%m: index, %n: index)
-        -> (index, index, index) {{
-      %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_n})>()[%n]
-      %y = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_m})>()[%m]
-      %c1 = arith.constant 1 : index
-      stream.return %x, %y, %c1 : index, index, index
-    }}
-    builtin.module {{
+    + GRID_MN
+    + """    builtin.module {{
       func.func private @sdiree_amx_bf16_geglu_workgroup(memref<bf16>, index, memref<bf16>,
           index, memref<f32>, index, memref<bf16>, index, index, index, index, index, index)
           -> i32 attributes {{hal.import.static, llvm.bareptr = true}}
