@@ -54,9 +54,8 @@ def share_cfg_prefix(unet: torch.nn.Module, batch: int) -> int:
     """Rebind the forward of each of `cfg_prefix_modules(unet)`, so that an input of batch
     2 * batch runs at batch `batch` and its output is repeated; returns how many."""
     modules = cfg_prefix_modules(unet)
-    unet.cfg_prefix_batch = (
-        batch  # for forwards that do not call these modules' (unet_channels_last)
-    )
+    # for forwards that do not call these modules' own (unet_channels_last.py)
+    unet.cfg_prefix_batch = batch
     for module in modules:
         if getattr(module, "channels_first", False):
             module.cfg_prefix_batch = batch  # compile/exporters/channels_first.py
