@@ -22,8 +22,10 @@ from sdiree.runtime.targets import UNET_ONLY_EXPORT
 # amx`, attention as one fused kernel dispatch, batched Winograd products and im2col matmuls on
 # the AMX kernel, and under `linear: amx` a GEGLU as one kernel dispatch; 11: under
 # `matmul_kernel: amx`, 3x3 convs on the AMX conv kernel (channels padded), cross-attention on the
-# fused kernel, heads in place, text rows padded for the kernel, GEGLU's result kept in bf16.
-EXPORTER_REVISION = 11
+# fused kernel, heads in place, text rows padded for the kernel, GEGLU's result kept in bf16;
+# 12: under `matmul_kernel: amx` with channels-last layouts, GroupNorm (+ SiLU) on its kernels
+# (group_norm_kernel.py), written as the conv kernel's padded bf16 input.
+EXPORTER_REVISION = 12
 # Bumped when weights derived at export (Winograd) are computed differently, so that cached
 # derived archives written before are written again (compile/driver.py). 2: rounded once to the
 # export dtype; before, an fp16 file compiled in fp32 had its transformed weights rounded to fp16
@@ -50,23 +52,24 @@ def kernels_for(options: dict) -> dict[str, str]:
     """The hand-written kernels (specs/kernels) an export with these choices links, {name: sha256
     of its source}: part of the export's cache key."""
     from ..kernel_objects import source_hash
-    from . import amx_matmul, attention_amx
+    from . import amx_matmul, attention_amx, group_norm_kernel
 
     names = [amx_matmul.KERNEL] if uses_amx(options) else []
     if options.get("matmul_kernel") == "amx":
-        names.append(attention_amx.KERNEL)
+        names += [attention_amx.KERNEL, group_norm_kernel.KERNEL]
     return {name: source_hash(name) for name in names}
 
 
 def ensure_kernels(options: dict) -> None:
     """Build the kernels' objects that an export with these choices names, where the user cache
     lost them (a cached export names them by path: compile/kernel_objects.py)."""
-    from . import amx_matmul, attention_amx
+    from . import amx_matmul, attention_amx, group_norm_kernel
 
     if uses_amx(options):
         amx_matmul.object_path()
     if options.get("matmul_kernel") == "amx":
         amx_matmul.object_path(attention_amx.KERNEL)
+        amx_matmul.object_path(group_norm_kernel.KERNEL)
 
 
 def uses_amx(options: dict) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import group_norm_kernel
 from .conv_matmul import CHANNELS_LAST_FORWARD
 
 
@@ -35,17 +36,35 @@ def conv(mod: torch.nn.Conv2d, xh: torch.Tensor) -> torch.Tensor:
     forward = getattr(mod, CHANNELS_LAST_FORWARD, None)
     if forward is not None:
         return forward(xh)
-    return mod(xh.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+    return mod(xh.permute(0, 3, 1, 2).to(mod.weight.dtype)).permute(0, 2, 3, 1)
+
+
+def norm_act_conv(norm, act, mod, xh: torch.Tensor, dropout=None) -> torch.Tensor:
+    """mod(dropout(act(norm(xh)))): the norm and act on the GroupNorm kernels where norm is
+    marked for them and fits (group_norm_kernel.py; dropout is then inactive: eval mode)."""
+    y = group_norm_kernel.norm_act_conv(norm, act, mod, xh)
+    if y is not None:
+        return y
+    y = act(group_norm(norm, xh))
+    return conv(mod, dropout(y) if dropout is not None else y)
+
+
+def norm_bf16(norm, xh: torch.Tensor) -> torch.Tensor:
+    """norm(xh) as a matmul's input: bf16 from the GroupNorm kernels where norm is marked for
+    them and fits, else group_norm's."""
+    if group_norm_kernel.fits(norm, xh):
+        return group_norm_kernel.norm_bf16(norm, xh)
+    return group_norm(norm, xh)
 
 
 def resnet(r, xh: torch.Tensor, temb: torch.Tensor | None = None) -> torch.Tensor:
     """A ResnetBlock2D without resampling, its time embedding (time_embedding_norm "default")
     added after conv1 where it has one; temb [N or 1, channels] before the block's activation."""
-    h = conv(r.conv1, r.nonlinearity(group_norm(r.norm1, xh)))
+    h = norm_act_conv(r.norm1, r.nonlinearity, r.conv1, xh)
     if r.time_emb_proj is not None and temb is not None:
         t = temb if r.skip_time_act else r.nonlinearity(temb)
         h = h + r.time_emb_proj(t)[:, None, None, :]
-    h = conv(r.conv2, r.dropout(r.nonlinearity(group_norm(r.norm2, h))))
+    h = norm_act_conv(r.norm2, r.nonlinearity, r.conv2, h, r.dropout)
     skip = xh if r.conv_shortcut is None else conv(r.conv_shortcut, xh)
     return (skip + h) / r.output_scale_factor
 

@@ -66,16 +66,38 @@ def conv3x3_amx_nhwc(conv: torch.nn.Conv2d, xh: torch.Tensor) -> torch.Tensor:
     """conv on a channels-last input [N, H, W, C], its output channels-last; on the kernel where
     it fits, else as an im2col matmul on the AMX matmul kernel."""
     n, h, w, c = xh.shape
-    if not (fits_conv(conv) and isinstance(w, int) and w >= MIN_WIDTH):
+    if not takes_input(conv, w):
         return conv2d_as_matmul_nhwc(conv, xh, "amx")
-    o, row = conv.out_channels, w + 2
     # channels zero-padded to the kernel's multiple (conv_in's 4 latent channels, conv_out's 4
     # or 3 outputs): zeros add nothing, the padded outputs are dropped
-    c_pad, o_pad = -c % MULTIPLE, -o % MULTIPLE
+    c_pad = -c % MULTIPLE
+    positions, m, tail = padded_rows(n, h, w)
+    xp = F.pad(xh, (0, c_pad, 1, 1, 1, 1)).reshape(positions, c + c_pad)
+    xp = F.pad(xp, (0, 0, 0, tail)).to(torch.bfloat16)
+    return conv3x3_amx_padded(conv, xp, n, h, w)
+
+
+def takes_input(conv, w) -> bool:
+    """Whether conv on an input w wide takes the kernel (else conv3x3_amx_nhwc's im2col)."""
+    return fits_conv(conv) and isinstance(w, int) and w >= MIN_WIDTH
+
+
+def padded_rows(n: int, h: int, w: int) -> tuple[int, int, int]:
+    """(padded positions, output rows: those rounded up to the kernel's multiple, zero rows the
+    input has past the positions: the last taps read that far)."""
+    row = w + 2
     positions = n * (h + 2) * row
     m = -(-positions // MULTIPLE) * MULTIPLE
-    xp = F.pad(xh, (0, c_pad, 1, 1, 1, 1)).reshape(positions, c + c_pad)
-    xp = F.pad(xp, (0, 0, 0, m - positions + 2 * row + 2)).to(torch.bfloat16)
+    return positions, m, m - positions + 2 * row + 2
+
+
+def conv3x3_amx_padded(conv: torch.nn.Conv2d, xp: torch.Tensor, n: int, h: int, w: int):
+    """conv on its input already padded for the kernel (xp [N·(H+2)·(W+2) + tail, C'] bf16, C'
+    the channels padded to the kernel's multiple: conv3x3_amx_nhwc's, or the GroupNorm kernel's
+    output, group_norm_kernel.py); channels-last output [N, H, W, O]."""
+    o, row = conv.out_channels, w + 2
+    positions = n * (h + 2) * row
+    c_pad, o_pad = xp.shape[1] - conv.in_channels, -o % MULTIPLE
     weight = F.pad(conv.weight, (0, 0, 0, 0, 0, c_pad, 0, o_pad))
     y = _OP(xp, pack_taps(weight), row)
     y = y[:positions, :o].reshape(n, h + 2, row, o)[:, :h, :w]

@@ -39,7 +39,9 @@ def conv2d_as_matmul_nhwc(
         weight = conv.weight.permute(0, 2, 3, 1).reshape(o, kh * kw * c)
         out = amx_matmul(cols.to(torch.bfloat16), pack_b(weight))
     else:
-        out = torch.mm(cols, conv.weight.permute(2, 3, 1, 0).reshape(kh * kw * c, o))
+        out = torch.mm(
+            cols.to(conv.weight.dtype), conv.weight.permute(2, 3, 1, 0).reshape(kh * kw * c, o)
+        )
     if conv.bias is not None:
         out = out + conv.bias
     return out.reshape(n, oh, ow, o)

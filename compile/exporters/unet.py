@@ -22,6 +22,7 @@ from .base import NUMPY_DTYPE_NAMES, ExportPlan, FunctionSpec, TensorSpec
 from .cfg_prefix import share_cfg_prefix
 from .channels_first import set_transformer_layout
 from .conv_matmul import conv_input_sides, set_conv_lowering, tiles_by_side
+from .group_norm_kernel import set_norm_kernel
 from .norm_precision import group_norms_in_fp32
 from .winograd import WINOGRAD_TILES
 
@@ -141,6 +142,8 @@ def plan_unet(
     )
     set_transformer_layout(unet, transformer)
     group_norms_in_fp32(unet, dtype)
+    if matmul_kernel == "amx" and layout == "channels_last":
+        set_norm_kernel(unet)
     share_cfg_prefix(unet, batch)  # last: it wraps the forwards rebound above
     unet = unet.to(dtype).eval()
     entry = (UNetEntryChannelsLast if layout == "channels_last" else UNetEntry)(unet)

@@ -24,7 +24,8 @@ from .channels_last import (
     conv,
     downsample,
     downsample_unsupported,
-    group_norm,
+    norm_act_conv,
+    norm_bf16,
     resnet,
     resnet_unsupported,
     upsample,
@@ -92,7 +93,9 @@ class _Halves:
 def _transformer(t, xh: torch.Tensor, context, halves: _Halves) -> torch.Tensor:
     """A Transformer2DModel on channels-last xh: diffusers' own blocks on its tokens."""
     n, h, w, c = xh.shape
-    x = group_norm(t.norm, xh)
+    x = norm_bf16(t.norm, xh)
+    if x.dtype != xh.dtype and not _takes_bf16(t.proj_in):
+        x = x.to(xh.dtype)
     if t.use_linear_projection:
         x = t.proj_in(x.reshape(n, h * w, c))
     else:
@@ -107,6 +110,15 @@ def _transformer(t, xh: torch.Tensor, context, halves: _Halves) -> torch.Tensor:
     else:
         x = conv(t.proj_out, x.reshape(-1, h, w, x.shape[-1]))
     return x + halves.full(xh)
+
+
+def _takes_bf16(proj) -> bool:
+    """Whether a transformer's projection casts its input itself: a conv (channels_last.conv),
+    or a Linear on the AMX kernel (linear_amx.py)."""
+    from .linear_amx import _amx_forward, cast_forward
+
+    forward = getattr(getattr(proj, "forward", None), "__func__", None)
+    return isinstance(proj, torch.nn.Conv2d) or forward in (_amx_forward, cast_forward)
 
 
 def _embedding(unet, sample, timestep, context, added):
@@ -163,8 +175,10 @@ def denoise(unet, sample, timestep, context, added_cond_kwargs=None) -> torch.Te
         for u in block.upsamplers or []:
             xh = upsample(u, xh, size)
     if unet.conv_norm_out is not None:
-        xh = unet.conv_act(group_norm(unet.conv_norm_out, xh))
-    return halves.full(conv(unet.conv_out, xh)).permute(0, 3, 1, 2)
+        out = norm_act_conv(unet.conv_norm_out, unet.conv_act, unet.conv_out, xh)
+    else:
+        out = conv(unet.conv_out, xh)
+    return halves.full(out).permute(0, 3, 1, 2)
 
 
 def _attentions(block) -> list:

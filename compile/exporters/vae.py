@@ -17,6 +17,7 @@ from .attention import set_attention
 from .base import NUMPY_DTYPE_NAMES, ExportPlan, FunctionSpec, TensorSpec
 from .conv_amx import MIN_WIDTH
 from .conv_matmul import set_conv_lowering
+from .group_norm_kernel import set_norm_kernel
 from .norm_precision import group_norms_in_fp32
 
 SCOPE = "vae"
@@ -79,6 +80,8 @@ def _plan(
         matmul_kernel=matmul_kernel, sides=wide,
     )  # fmt: skip
     group_norms_in_fp32(vae, dtype)
+    if matmul_kernel == "amx" and layout == "channels_last":
+        set_norm_kernel(vae)
     vae = vae.to(dtype).eval()
     dt = NUMPY_DTYPE_NAMES[dtype]
     h, w = image_hw

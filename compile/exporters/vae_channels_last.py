@@ -19,7 +19,7 @@ import torch
 
 from .channels_last import (
     conv,
-    group_norm,
+    norm_act_conv,
     resnet,
     resnet_unsupported,
     upsample,
@@ -60,5 +60,6 @@ def decode(decoder: torch.nn.Module, z: torch.Tensor) -> torch.Tensor:
             xh = resnet(r, xh)
         for u in block.upsamplers or []:
             xh = upsample(u, xh)
-    xh = decoder.conv_act(group_norm(decoder.conv_norm_out, xh))
-    return conv(decoder.conv_out, xh).permute(0, 3, 1, 2)
+    return norm_act_conv(decoder.conv_norm_out, decoder.conv_act, decoder.conv_out, xh).permute(
+        0, 3, 1, 2
+    )

@@ -11,7 +11,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sdiree.compile.exporters.cfg_prefix import share_cfg_prefix  # noqa: E402
+from sdiree.compile.exporters import group_norm_kernel  # noqa: E402
+from sdiree.compile.exporters.conv_amx import MIN_WIDTH  # noqa: E402
 from sdiree.compile.exporters.conv_matmul import set_conv_lowering  # noqa: E402
+from sdiree.compile.exporters.group_norm_kernel import set_norm_kernel  # noqa: E402
 from sdiree.compile.exporters.unet import (  # noqa: E402
     UNetEntry,
     UNetEntryChannelsLast,
@@ -148,3 +151,28 @@ def test_unets_it_cannot_take_are_refused_in_one_line(tiny_model, change, why):
     with pytest.raises(ValueError) as e:
         _plan(unet)
     assert str(e.value) == f"export layout channels_last: this UNet cannot: {why}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_norms_on_their_kernels_with_the_amx_convs(family, request):
+    """Under matmul_kernel amx the resnets' and transformers' GroupNorms take their kernels
+    (group_norm_kernel.py), the convs wide enough read the padded bf16 rows those write, the
+    others the bf16 cast back: the prediction is diffusers' within bf16's rounding."""
+    unet = load_unet(request.getfixturevalue(family))
+    cat_text_time_embedding(unet)
+    batch = 1
+    args = inputs(unet, batch, (2 * MIN_WIDTH, 2 * MIN_WIDTH))  # wide enough for the conv kernel
+    with torch.no_grad():
+        want = UNetEntry(unet)(*args)
+    wide = {m: MIN_WIDTH for m in unet.modules() if isinstance(m, torch.nn.Conv2d)}
+    set_conv_lowering(unet, "winograd", split_min_side=4, matmul_kernel="amx", sides=wide)
+    assert set_norm_kernel(unet) > 0
+    seen = []
+    original = group_norm_kernel.norm_bf16
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(group_norm_kernel, "norm_bf16", lambda *a: seen.append(a[3:]) or original(*a))
+        with torch.no_grad():
+            got = UNetEntryChannelsLast(unet)(*args)
+    assert seen and any(s and s[0] == 1 for s in seen)  # some norm wrote a conv's padded rows
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < 3e-2, err

@@ -1,0 +1,110 @@
+/* GroupNorm on channels-last f32 activations in two passes over them, for the AMX exports
+   (compile/exporters/group_norm_kernel.py): the statistics, then the normalization with its
+   affine, SiLU where the block has one, and the bf16 the next matmul or conv kernel reads,
+   written where that kernel reads it.
+
+   iree 3.13 compiles GroupNorm + SiLU + the conv kernel's padded bf16 input as three passes that
+   each read the f32 tensor and write one (the centred tensor, the normalized one, the activated
+   one padded), then a cast: ~6 f32 passes where two reads and one bf16 write suffice (at 64x64,
+   320 channels, batch 2, 4 ms a norm of which ~1.3 needed).
+
+   Statistics (sdiree_group_norm_stats_workgroup): workgroup (b, n) sums, per channel c over the
+   pixels of block b of image n, d = x - ref_c and d^2, ref_c being the image's first pixel
+   (sums about a value near the mean, so the variance does not cancel). x is [N][P][C],
+   partials [N][NB][2][C] (NB = P / PB blocks). The graph combines the blocks and the channels of
+   each group into the scale a and shift b of each image's channels.
+
+   Application (sdiree_group_norm_apply_workgroup): y = a x + b per image and channel, silu(y)
+   = y / (1 + e^-y) if asked, rounded to bf16. Workgroup (b, n) does image rows [b RB, b RB + RB)
+   of image n. The output is [N][H + 2 pad][W + 2 pad][C] and `tail` more zero rows of C after
+   it: with pad 1 the zero-padded input of the 3x3 conv kernel (amx_bf16_matmul.c), its border
+   and its read-ahead rows zeroed here; with pad 0 the plain [N][H][W][C]. C is a multiple of 16.
+
+   Built freestanding like the other kernels (compile/kernel_objects.py). */
+#include "amx_support.h"
+
+int sdiree_group_norm_stats_workgroup(const float *x, size_t x_offset, float *part,
+                                      size_t part_offset, size_t P, size_t C, size_t PB,
+                                      size_t wg_b, size_t wg_n) {
+  const size_t nb = (P + PB - 1) / PB;
+  const float *img = x + x_offset + wg_n * P * C;
+  float *out = part + part_offset + (wg_n * nb + wg_b) * 2 * C;
+  const size_t p0 = wg_b * PB, p1 = p0 + PB < P ? p0 + PB : P;
+  size_t c = 0;
+  for (; c + 64 <= C; c += 64) { /* four vectors of channels at a time, the pixels inner */
+    __m512 r[4], s1[4], s2[4];
+    for (int v = 0; v < 4; ++v) {
+      r[v] = _mm512_loadu_ps(img + c + 16 * v);
+      s1[v] = s2[v] = _mm512_setzero_ps();
+    }
+    for (size_t p = p0; p < p1; ++p) {
+      const float *px = img + p * C + c;
+      for (int v = 0; v < 4; ++v) {
+        const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(px + 16 * v), r[v]);
+        s1[v] = _mm512_add_ps(s1[v], d);
+        s2[v] = _mm512_fmadd_ps(d, d, s2[v]);
+      }
+    }
+    for (int v = 0; v < 4; ++v) {
+      _mm512_storeu_ps(out + c + 16 * v, s1[v]);
+      _mm512_storeu_ps(out + C + c + 16 * v, s2[v]);
+    }
+  }
+  for (; c < C; c += 16) {
+    const __m512 r = _mm512_loadu_ps(img + c);
+    __m512 s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps();
+    for (size_t p = p0; p < p1; ++p) {
+      const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(img + p * C + c), r);
+      s1 = _mm512_add_ps(s1, d);
+      s2 = _mm512_fmadd_ps(d, d, s2);
+    }
+    _mm512_storeu_ps(out + c, s1);
+    _mm512_storeu_ps(out + C + c, s2);
+  }
+  return 0;
+}
+
+static inline void zero_bf16(uint16_t *dst, size_t count) {
+  const __m512i z = _mm512_setzero_si512();
+  size_t i = 0;
+  for (; i + 32 <= count; i += 32) _mm512_storeu_si512((void *)(dst + i), z);
+  for (; i < count; ++i) dst[i] = 0;
+}
+
+/* silu(y) = y / (1 + 2^(-y log2 e)); very negative y give 2^x = inf and so -0 */
+static inline __m512 silu16(__m512 y) {
+  const __m512 e = sdiree_exp2(_mm512_mul_ps(y, _mm512_set1_ps(-1.44269504f)));
+  return _mm512_div_ps(y, _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
+}
+
+int sdiree_group_norm_apply_workgroup(const float *x, size_t x_offset, const float *ab,
+                                      size_t ab_offset, uint16_t *out, size_t out_offset,
+                                      size_t N, size_t H, size_t W, size_t C, size_t RB,
+                                      size_t pad, size_t tail, size_t silu, size_t wg_b,
+                                      size_t wg_n) {
+  const float *img = x + x_offset + wg_n * H * W * C;
+  const float *a = ab + ab_offset + wg_n * 2 * C, *b = a + C;
+  const size_t orow = W + 2 * pad, oimg = (H + 2 * pad) * orow;
+  uint16_t *o = out + out_offset + wg_n * oimg * C;
+  const size_t h0 = wg_b * RB, h1 = h0 + RB < H ? h0 + RB : H;
+  for (size_t h = h0; h < h1; ++h) {
+    uint16_t *dst = o + ((h + pad) * orow + pad) * C;
+    const float *src = img + h * W * C;
+    for (size_t w = 0; w < W; ++w) {
+      for (size_t c = 0; c < C; c += 16) {
+        __m512 y = _mm512_fmadd_ps(_mm512_loadu_ps(src + w * C + c), _mm512_loadu_ps(a + c),
+                                   _mm512_loadu_ps(b + c));
+        if (silu) y = silu16(y);
+        _mm256_storeu_si256((__m256i *)(dst + w * C + c), (__m256i)_mm512_cvtneps_pbh(y));
+      }
+    }
+    if (pad) { /* the row's left and right border */
+      zero_bf16(dst - C, C);
+      zero_bf16(dst + W * C, C);
+    }
+  }
+  if (pad && h0 == 0) zero_bf16(o, orow * C);
+  if (pad && h1 == H) zero_bf16(o + (H + 1) * orow * C, orow * C);
+  if (h1 == H && wg_n == N - 1) zero_bf16(out + out_offset + N * oimg * C, tail * C);
+  return 0;
+}
