@@ -10,8 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sdiree.compile.exporters.cfg_prefix import share_cfg_prefix  # noqa: E402
 from sdiree.compile.exporters import group_norm_kernel  # noqa: E402
+from sdiree.compile.exporters.cfg_prefix import share_cfg_prefix  # noqa: E402
 from sdiree.compile.exporters.conv_amx import MIN_WIDTH  # noqa: E402
 from sdiree.compile.exporters.conv_matmul import set_conv_lowering  # noqa: E402
 from sdiree.compile.exporters.group_norm_kernel import set_norm_kernel  # noqa: E402
