@@ -57,6 +57,8 @@ class CpuLack:
     tuning_specs: dict[str, str] = field(default_factory=dict)
     # {submodule: export choices} over every other (a null value drops a choice)
     submodule_export: dict[str, dict] = field(default_factory=dict)
+    # {submodule: flags} after every other flag of the submodule (so overriding them)
+    submodule_flags: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -221,14 +223,17 @@ class Target:
 
     def compile_flags(self, arch: str, dtype: str, submodule: str | None = None) -> list[str]:
         """iree-compile flags in the order that lets later ones override earlier ones: the
-        target's, the arch preset's, the dtype's, the submodule's, the dtype's for the submodule."""
+        target's, the arch preset's, the dtype's, the submodule's, the dtype's for the submodule,
+        those of the dtype's changes for the features arch's CPU lacks or has (cpu_cases)."""
         opt = self.dtype_options.get(dtype)
+        cases = self.cpu_cases(dtype, arch) if submodule and opt else ()
         return [
             *self.flags,
             *self.arch(arch).flags,
             *self.dtype_flags(dtype, arch),
             *self.submodule_flags.get(submodule, ()),
             *(opt.submodule_flags.get(submodule, ()) if opt else ()),
+            *(f for case in cases for f in case.submodule_flags.get(submodule, ())),
         ]
 
     def arch(self, name: str) -> Arch:
@@ -326,6 +331,7 @@ CPU_LACK_FIELDS = {
     "preprocessing_specs": "str_map",
     "tuning_specs": "str_map",
     "submodule_export": "obj_map",
+    "submodule_flags": "flag_map",
 }
 # Export choices (compile/exporters: ATTENTIONS, CONV_CHOICES; runtime stays torch-free, so
 # they are repeated here and a test keeps them equal).
@@ -526,6 +532,7 @@ def _cpu_cases(spec: dict) -> dict[str, CpuLack]:
             preprocessing_specs=dict(case.get("preprocessing_specs", {})),
             tuning_specs=dict(case.get("tuning_specs", {})),
             submodule_export={k: dict(v) for k, v in case.get("submodule_export", {}).items()},
+            submodule_flags=_tuples(case.get("submodule_flags", {})),
         )
         for f, case in spec.items()
     }

@@ -348,3 +348,10 @@ def test_bf16_unets_linears_take_the_amx_kernel_on_an_amx_cpu(tmp_path, features
     for sub in ("text_encoder", "vae_decoder", "vae_encoder"):
         assert cpu.export_for(sub, dtype, "probe").get("linear") != "amx"
     assert "matmul_kernel" not in cpu.export_for("text_encoder", dtype, "probe")
+    # channels-last concatenations stay on the channels (no transposes around them)
+    flags = cpu.compile_flags("probe", dtype, "unet")
+    outer = [f for f in flags if f.startswith("--iree-opt-outer-dim-concat")]
+    assert (outer[-1:] == ["--iree-opt-outer-dim-concat=false"]) == amx, outer
+    assert not any(
+        "outer-dim-concat=false" in f for f in cpu.compile_flags("probe", dtype, "vae_decoder")
+    )
