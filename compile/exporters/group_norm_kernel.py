@@ -1,5 +1,5 @@
 """GroupNorm (and the SiLU after it) on channels-last activations as two dispatches to sdiree's
-kernels (specs/kernels/group_norm.c), its bf16 result written where the next kernel reads it:
+kernels (specs/kernels/norms.c), its bf16 result written where the next kernel reads it:
 for a 3x3 conv on the AMX conv kernel, its zero-padded input rows (conv_amx.py), else plain
 [N, H, W, C] bf16 (a 1x1 projection's or a linear's input).
 
@@ -32,7 +32,7 @@ from .amx_matmul import (
     template_loader,
 )
 
-KERNEL = "group_norm"
+KERNEL = "norms"
 BLOCK_PIXELS = 512  # about how many pixels one workgroup takes
 MARK = "sdiree_norm_kernel"
 

@@ -54,6 +54,13 @@ def _amx_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def casts_input(module: torch.nn.Module) -> bool:
+    """Whether module's forward takes a bf16 input as it is or casts it itself: a Linear on the
+    kernel, or with cast_forward."""
+    forward = getattr(getattr(module, "forward", None), "__func__", None)
+    return forward in (_amx_forward, cast_forward)
+
+
 def cast_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The Linear's own forward on x cast to its weight's dtype (a GEGLU's bf16 result)."""
     return F.linear(x.to(self.weight.dtype), self.weight, self.bias)

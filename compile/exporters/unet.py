@@ -23,6 +23,7 @@ from .cfg_prefix import share_cfg_prefix
 from .channels_first import set_transformer_layout
 from .conv_matmul import conv_input_sides, set_conv_lowering, tiles_by_side
 from .group_norm_kernel import set_norm_kernel
+from .layer_norm_kernel import set_layer_norm_kernel
 from .norm_precision import group_norms_in_fp32
 from .winograd import WINOGRAD_TILES
 
@@ -144,6 +145,7 @@ def plan_unet(
     group_norms_in_fp32(unet, dtype)
     if matmul_kernel == "amx" and layout == "channels_last":
         set_norm_kernel(unet)
+        set_layer_norm_kernel(unet)
     share_cfg_prefix(unet, batch)  # last: it wraps the forwards rebound above
     unet = unet.to(dtype).eval()
     entry = (UNetEntryChannelsLast if layout == "channels_last" else UNetEntry)(unet)

@@ -115,10 +115,9 @@ def _transformer(t, xh: torch.Tensor, context, halves: _Halves) -> torch.Tensor:
 def _takes_bf16(proj) -> bool:
     """Whether a transformer's projection casts its input itself: a conv (channels_last.conv),
     or a Linear on the AMX kernel (linear_amx.py)."""
-    from .linear_amx import _amx_forward, cast_forward
+    from .linear_amx import casts_input
 
-    forward = getattr(getattr(proj, "forward", None), "__func__", None)
-    return isinstance(proj, torch.nn.Conv2d) or forward in (_amx_forward, cast_forward)
+    return isinstance(proj, torch.nn.Conv2d) or casts_input(proj)
 
 
 def _embedding(unet, sample, timestep, context, added):

@@ -98,10 +98,9 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
       const __m512 mv = _mm512_set1_ps(m[r]);
       __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
       for (size_t c = 0; c < len; c += 32) {
-        const __m512 e0 = sdiree_exp2(_mm512_sub_ps(_mm512_load_ps(&s[r][c]), mv));
-        const __m512 e1 = sdiree_exp2(_mm512_sub_ps(_mm512_load_ps(&s[r][c + 16]), mv));
-        _mm256_store_si256((__m256i *)&p[r][c], (__m256i)_mm512_cvtneps_pbh(e0));
-        _mm256_store_si256((__m256i *)&p[r][c + 16], (__m256i)_mm512_cvtneps_pbh(e1));
+        const __m512 e0 = sdiree_exp2_coarse(_mm512_sub_ps(_mm512_load_ps(&s[r][c]), mv));
+        const __m512 e1 = sdiree_exp2_coarse(_mm512_sub_ps(_mm512_load_ps(&s[r][c + 16]), mv));
+        _mm512_store_si512((void *)&p[r][c], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
         sum0 = _mm512_add_ps(sum0, e0);
         sum1 = _mm512_add_ps(sum1, e1);
       }

@@ -99,4 +99,17 @@ static inline __m512 sdiree_exp2(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+/* 2^x to bf16's precision, for softmax probabilities that are rounded to bf16: a degree-3
+   polynomial (relative error below 7.5e-5, near-minimax on |r| <= 1/2, against bf16's rounding
+   of 2^-9), two multiply-adds fewer than sdiree_exp2. */
+static inline __m512 sdiree_exp2_coarse(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(5.5171653e-2f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4261116e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9326099e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.9992807e-1f));
+  return _mm512_scalef_ps(p, n);
+}
+
 #endif

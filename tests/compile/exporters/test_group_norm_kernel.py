@@ -1,5 +1,5 @@
 """GroupNorm (+ SiLU) on sdiree's kernels (compile/exporters/group_norm_kernel.py, specs/kernels/
-group_norm.c): eagerly and compiled it is torch's GroupNorm within bf16's rounding, plain or as
+norms.c): eagerly and compiled it is torch's GroupNorm within bf16's rounding, plain or as
 the 3x3 conv kernel's zero-padded input rows (border and read-ahead rows zero), over several
 row blocks with a short last one and channel counts that are not multiples of 64; a resnet's
 norm, SiLU and conv go through it only where the norm is marked."""
@@ -136,3 +136,38 @@ def test_exported_norm_is_two_kernel_dispatches_and_matches(n, h, w, c, pad, sil
     if pad:
         body, rest = _unpad(torch.from_numpy(out), n, h, w)
         assert not rest.any()
+
+
+def test_layer_norm_kernel_is_torchs_within_bf16_eagerly_and_compiled():
+    """The transformer blocks' LayerNorm on its kernel (layer_norm_kernel.py): one dispatch,
+    torch's LayerNorm rounded to bf16; rows that are not a multiple of the workgroup's block."""
+    iree_aot = pytest.importorskip("iree.turbine.aot")
+    from sdiree.compile.exporters import layer_norm_kernel
+
+    layer_norm_kernel.register()
+    torch.manual_seed(7)
+    norm = torch.nn.LayerNorm(96).eval().requires_grad_(False)
+    norm.weight.normal_(1.0, 0.3)
+    norm.bias.normal_(0.0, 0.3)
+    x = torch.randn(2, 100, 96) * 3 + 5
+
+    class Norm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = norm
+
+        def forward(self, x):
+            return layer_norm_kernel.layer_norm_forward(self.norm, x).float()
+
+    with torch.no_grad():
+        eager = Norm()(x)
+        want = torch.nn.functional.layer_norm(x.double(), (96,), norm.weight.double(),
+                                              norm.bias.double(), norm.eps)  # fmt: skip
+    assert (eager.double() - want).abs().max() <= 2**-8 * want.abs().max()
+    text = str(iree_aot.export(Norm(), args=(x,)).mlir_module)
+    assert text.count("flow.dispatch @sdiree_layer_norm_") == 1
+    out = run_amx_main(text, x.numpy(), kernel="sdiree_layer_norm_workgroup")
+    if out is None:  # this CPU lacks AMX: cross-compiled only
+        return
+    assert np.mean(out != eager.numpy()) < 0.01
+    assert np.abs(out - eager.numpy()).max() <= 2**-7 * np.abs(eager.numpy()).max()

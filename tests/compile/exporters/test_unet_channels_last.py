@@ -15,6 +15,8 @@ from sdiree.compile.exporters.cfg_prefix import share_cfg_prefix  # noqa: E402
 from sdiree.compile.exporters.conv_amx import MIN_WIDTH  # noqa: E402
 from sdiree.compile.exporters.conv_matmul import set_conv_lowering  # noqa: E402
 from sdiree.compile.exporters.group_norm_kernel import set_norm_kernel  # noqa: E402
+from sdiree.compile.exporters.layer_norm_kernel import set_layer_norm_kernel  # noqa: E402
+from sdiree.compile.exporters.linear_flat import set_linear_lowering  # noqa: E402
 from sdiree.compile.exporters.unet import (  # noqa: E402
     UNetEntry,
     UNetEntryChannelsLast,
@@ -156,7 +158,7 @@ def test_unets_it_cannot_take_are_refused_in_one_line(tiny_model, change, why):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_norms_on_their_kernels_with_the_amx_convs(family, request):
     """Under matmul_kernel amx the resnets' and transformers' GroupNorms take their kernels
-    (group_norm_kernel.py), the convs wide enough read the padded bf16 rows those write, the
+    (group_norm_kernel.py), the transformer blocks' LayerNorms theirs, the convs wide enough read the padded bf16 rows those write, the
     others the bf16 cast back: the prediction is diffusers' within bf16's rounding."""
     unet = load_unet(request.getfixturevalue(family))
     cat_text_time_embedding(unet)
@@ -167,6 +169,11 @@ def test_norms_on_their_kernels_with_the_amx_convs(family, request):
     wide = {m: MIN_WIDTH for m in unet.modules() if isinstance(m, torch.nn.Conv2d)}
     set_conv_lowering(unet, "winograd", split_min_side=4, matmul_kernel="amx", sides=wide)
     assert set_norm_kernel(unet) > 0
+    assert set_layer_norm_kernel(unet) == 0  # its linears take fp32
+    set_linear_lowering(unet, "amx")
+    assert set_layer_norm_kernel(unet) == 3 * sum(  # each block's three LayerNorms
+        type(m).__name__ == "BasicTransformerBlock" for m in unet.modules()
+    )
     seen = []
     original = group_norm_kernel.norm_bf16
     with pytest.MonkeyPatch.context() as mp:

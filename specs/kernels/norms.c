@@ -1,4 +1,7 @@
-/* GroupNorm on channels-last f32 activations in two passes over them, for the AMX exports
+/* sdiree's norm kernels for the AMX exports: GroupNorm and LayerNorm on f32 activations, their
+   bf16 results for the matmul and conv kernels that read them next.
+
+   GroupNorm on channels-last activations in two passes over them
    (compile/exporters/group_norm_kernel.py): the statistics, then the normalization with its
    affine, SiLU where the block has one, and the bf16 the next matmul or conv kernel reads,
    written where that kernel reads it.
@@ -106,5 +109,41 @@ int sdiree_group_norm_apply_workgroup(const float *x, size_t x_offset, const flo
   if (pad && h0 == 0) zero_bf16(o, orow * C);
   if (pad && h1 == H) zero_bf16(o + (H + 1) * orow * C, orow * C);
   if (h1 == H && wg_n == N - 1) zero_bf16(out + out_offset + N * oimg * C, tail * C);
+  return 0;
+}
+
+/* LayerNorm over the last dimension (layer_norm_kernel.py): x [M][C] f32, rows [wg_m RB,
+   wg_m RB + RB) by workgroup; y = (x - mean) rstd gamma + beta rounded to bf16, [M][C]. Each
+   row is read from memory once (its second and third reads hit L1); C is a multiple of 16. */
+int sdiree_layer_norm_workgroup(const float *x, size_t x_offset, const float *gb,
+                                size_t gb_offset, uint16_t *out, size_t out_offset, size_t M,
+                                size_t C, size_t RB, size_t eps_bits, size_t wg_m) {
+  union {
+    uint32_t u;
+    float f;
+  } eps = {(uint32_t)eps_bits};
+  const float *gamma = gb + gb_offset, *beta = gamma + C;
+  const size_t m0 = wg_m * RB, m1 = m0 + RB < M ? m0 + RB : M;
+  const float inv_c = 1.0f / (float)C;
+  for (size_t m = m0; m < m1; ++m) {
+    const float *row = x + x_offset + m * C;
+    __m512 s = _mm512_setzero_ps();
+    for (size_t c = 0; c < C; c += 16) s = _mm512_add_ps(s, _mm512_loadu_ps(row + c));
+    const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(s) * inv_c);
+    __m512 v = _mm512_setzero_ps();
+    for (size_t c = 0; c < C; c += 16) {
+      const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(row + c), mean);
+      v = _mm512_fmadd_ps(d, d, v);
+    }
+    const float var = _mm512_reduce_add_ps(v) * inv_c + eps.f;
+    const __m128 r = _mm_sqrt_ss(_mm_set_ss(var));
+    const __m512 rstd = _mm512_set1_ps(1.0f / _mm_cvtss_f32(r));
+    uint16_t *dst = out + out_offset + m * C;
+    for (size_t c = 0; c < C; c += 16) {
+      const __m512 d = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + c), mean), rstd);
+      const __m512 y = _mm512_fmadd_ps(d, _mm512_loadu_ps(gamma + c), _mm512_loadu_ps(beta + c));
+      _mm256_storeu_si256((__m256i *)(dst + c), (__m256i)_mm512_cvtneps_pbh(y));
+    }
+  }
   return 0;
 }
