@@ -24,8 +24,9 @@ from sdiree.runtime.targets import UNET_ONLY_EXPORT
 # `matmul_kernel: amx`, 3x3 convs on the AMX conv kernel (channels padded), cross-attention on the
 # fused kernel, heads in place, text rows padded for the kernel, GEGLU's result kept in bf16;
 # 12: under `matmul_kernel: amx` with channels-last layouts, GroupNorm (+ SiLU) on its kernels
-# (group_norm_kernel.py), written as the conv kernel's padded bf16 input, and the transformer
-# blocks' LayerNorms on a kernel too (layer_norm_kernel.py), both giving bf16.
+# (group_norm_kernel.py), written as the conv kernel's padded bf16 input, the transformer
+# blocks' LayerNorms on a kernel too (layer_norm_kernel.py), both giving bf16, and the conv
+# kernel's epilogue writing only real pixels with the bias, time embedding and skip added.
 EXPORTER_REVISION = 12
 # Bumped when weights derived at export (Winograd) are computed differently, so that cached
 # derived archives written before are written again (compile/driver.py). 2: rounded once to the

@@ -39,14 +39,25 @@ def conv(mod: torch.nn.Conv2d, xh: torch.Tensor) -> torch.Tensor:
     return mod(xh.permute(0, 3, 1, 2).to(mod.weight.dtype)).permute(0, 2, 3, 1)
 
 
-def norm_act_conv(norm, act, mod, xh: torch.Tensor, dropout=None) -> torch.Tensor:
-    """mod(dropout(act(norm(xh)))): the norm and act on the GroupNorm kernels where norm is
-    marked for them and fits (group_norm_kernel.py; dropout is then inactive: eval mode)."""
-    y = group_norm_kernel.norm_act_conv(norm, act, mod, xh)
+def norm_act_conv(
+    norm, act, mod, xh: torch.Tensor, dropout=None, add=None, residual=None
+) -> torch.Tensor:
+    """residual + mod(dropout(act(norm(xh)))) + add (add [N or 1, O] per image and channel;
+    either may be None): the norm and act on the GroupNorm kernels where norm is marked for them
+    and fits (group_norm_kernel.py; dropout is then inactive: eval mode), the conv adding add
+    and residual in its epilogue where it is on the AMX conv kernel."""
+    y = group_norm_kernel.norm_act_conv(norm, act, mod, xh, add, residual)
     if y is not None:
         return y
     y = act(group_norm(norm, xh))
-    return conv(mod, dropout(y) if dropout is not None else y)
+    y = conv(mod, dropout(y) if dropout is not None else y)
+    return with_added(y, add, residual)
+
+
+def with_added(y: torch.Tensor, add=None, residual=None) -> torch.Tensor:
+    if add is not None:
+        y = y + add[:, None, None, :]
+    return y if residual is None else residual + y
 
 
 def norm_bf16(norm, xh: torch.Tensor) -> torch.Tensor:
@@ -60,12 +71,14 @@ def norm_bf16(norm, xh: torch.Tensor) -> torch.Tensor:
 def resnet(r, xh: torch.Tensor, temb: torch.Tensor | None = None) -> torch.Tensor:
     """A ResnetBlock2D without resampling, its time embedding (time_embedding_norm "default")
     added after conv1 where it has one; temb [N or 1, channels] before the block's activation."""
-    h = norm_act_conv(r.norm1, r.nonlinearity, r.conv1, xh)
+    add = None
     if r.time_emb_proj is not None and temb is not None:
-        t = temb if r.skip_time_act else r.nonlinearity(temb)
-        h = h + r.time_emb_proj(t)[:, None, None, :]
-    h = norm_act_conv(r.norm2, r.nonlinearity, r.conv2, h, r.dropout)
+        add = r.time_emb_proj(temb if r.skip_time_act else r.nonlinearity(temb))
+    h = norm_act_conv(r.norm1, r.nonlinearity, r.conv1, xh, add=add)
     skip = xh if r.conv_shortcut is None else conv(r.conv_shortcut, xh)
+    if r.output_scale_factor == 1:  # the skip added in conv2's epilogue where it can be
+        return norm_act_conv(r.norm2, r.nonlinearity, r.conv2, h, r.dropout, residual=skip)
+    h = norm_act_conv(r.norm2, r.nonlinearity, r.conv2, h, r.dropout)
     return (skip + h) / r.output_scale_factor
 
 

@@ -1,14 +1,17 @@
 """3x3, stride-1 convolutions traced as one dispatch to sdiree's AMX implicit-matmul conv kernel
-(`sdiree_amx_bf16_conv3x3_workgroup` in specs/kernels/amx_bf16_matmul.c), under export choice
-`matmul_kernel: amx` in place of Winograd.
+(`sdiree_amx_bf16_conv3x3_out_workgroup` in specs/kernels/amx_bf16_matmul.c), under export
+choice `matmul_kernel: amx` in place of Winograd.
 
 On the AMX kernel, Winograd's products were the cheap part of a conv: its input and output
 transforms are passes over the activations that cost several times the products (one 320-channel
 64x64 conv, batch 2: 19 ms, of which the products ~4). Here the graph only pads the channels-last
 input (one zero row and column around each image, and the kernel's read-ahead rows at the end)
 and casts it to bf16; the kernel sums the nine taps' products, each a view of that padded input
-shifted by whole rows of pixels, so nothing is copied nine times. Its output holds a row for every
-padded position; the graph keeps the real pixels' rows. The weight, packed per tap for the kernel
+shifted by whole rows of pixels, so nothing is copied nine times. It computes a row for every
+padded position and its epilogue writes only the real pixels' ([N, H, W, O] f32), the bias added,
+and a resnet's time embedding and skip where given (conv3x3_amx_padded): no pass of the graph
+slices, adds a bias or a skip. The GroupNorm kernels write the padded input themselves
+(group_norm_kernel.py). The weight, packed per tap for the kernel
 ([9, O / 16, C / 2, 16, 2]), is a constant expression of the conv's own weight, which the
 parameter encoder computes at compile: no derived weights, no Winograd archive.
 
@@ -22,6 +25,8 @@ products win once its transforms are small beside the weights).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -91,17 +96,31 @@ def padded_rows(n: int, h: int, w: int) -> tuple[int, int, int]:
     return positions, m, m - positions + 2 * row + 2
 
 
-def conv3x3_amx_padded(conv: torch.nn.Conv2d, xp: torch.Tensor, n: int, h: int, w: int):
+def conv3x3_amx_padded(
+    conv: torch.nn.Conv2d,
+    xp: torch.Tensor,
+    n: int,
+    h: int,
+    w: int,
+    add: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
     """conv on its input already padded for the kernel (xp [N·(H+2)·(W+2) + tail, C'] bf16, C'
     the channels padded to the kernel's multiple: conv3x3_amx_nhwc's, or the GroupNorm kernel's
-    output, group_norm_kernel.py); channels-last output [N, H, W, O]."""
+    output, group_norm_kernel.py), plus add ([N or 1, O]: a resnet's time embedding) and
+    residual ([N, H, W, O]) where given; channels-last output [N, H, W, O]. The kernel's
+    epilogue writes only the real pixels, with the bias, add and residual added."""
     o, row = conv.out_channels, w + 2
-    positions = n * (h + 2) * row
     c_pad, o_pad = xp.shape[1] - conv.in_channels, -o % MULTIPLE
     weight = F.pad(conv.weight, (0, 0, 0, 0, 0, c_pad, 0, o_pad))
-    y = _OP(xp, pack_taps(weight), row)
-    y = y[:positions, :o].reshape(n, h + 2, row, o)[:, :h, :w]
-    return y if conv.bias is None else y + conv.bias
+    vec = conv.bias if conv.bias is not None else torch.zeros(o, dtype=conv.weight.dtype)
+    vec = vec.float()[None] if add is None else vec.float() + add.float()
+    vec = F.pad(vec, (0, o_pad))
+    if residual is not None and not o_pad:
+        return _OUT_RES(xp, pack_taps(weight), vec, residual.float(), row, h, n)
+    y = _OUT(xp, pack_taps(weight), vec, row, h, n)
+    y = y if not o_pad else y[..., :o]
+    return y if residual is None else residual + y
 
 
 def pack_taps(weight: torch.Tensor) -> torch.Tensor:
@@ -111,8 +130,20 @@ def pack_taps(weight: torch.Tensor) -> torch.Tensor:
     return pack_b(weight.permute(2, 3, 0, 1).reshape(9, o, c))
 
 
-_OP = KernelOp("amx_conv3x3", lambda: _make_op())
-register = _OP.register
+_OUT = KernelOp("amx_conv3x3_out", lambda: _make_ops()[0])
+_OUT_RES = KernelOp("amx_conv3x3_out_res", lambda: _make_ops()[1])
+
+
+def register() -> None:
+    _OUT.register()
+    _OUT_RES.register()
+
+
+def _eager_out(a, packed, vec, res, row: int, h: int, images: int) -> torch.Tensor:
+    w = row - 2
+    y = _eager(a, packed, row)[: images * (h + 2) * row]
+    y = y.reshape(images, h + 2, row, -1)[:, :h, :w] + vec[:, None, None, :]
+    return y if res is None else y + res
 
 
 def _eager(a: torch.Tensor, packed: torch.Tensor, row: int) -> torch.Tensor:
@@ -125,87 +156,136 @@ def _eager(a: torch.Tensor, packed: torch.Tensor, row: int) -> torch.Tensor:
     return out
 
 
-_TEMPLATE = (
+_OUT_TEMPLATE = (
     TEMPLATE_HEAD
     + GRID_MN
     + """    builtin.module {{
-      func.func private @sdiree_amx_bf16_conv3x3_workgroup(memref<bf16>, index, memref<bf16>,
-          index, memref<f32>, index, index, index, index, index, index, index) -> i32
+      func.func private @sdiree_amx_bf16_conv3x3_out_workgroup(memref<bf16>, index,
+          memref<bf16>, index, memref<f32>, index, memref<f32>, index, memref<f32>, index, index,
+          index, index, index, index, index, index, index, index, index) -> i32
           attributes {{hal.import.static, llvm.bareptr = true}}
-      func.func @{name}(%a: !stream.binding, %b: !stream.binding, %c: !stream.binding,
-          %M: index, %N: index, %K: index, %R: index, %A: index) {{
+      func.func @{name}(%a: !stream.binding, %b: !stream.binding, %add: !stream.binding,
+          {res_arg}%c: !stream.binding, %M: index, %N: index, %K: index, %R: index, %A: index,
+          %H: index, %I: index, %AR: index, %SO: index) {{
         %c0 = arith.constant 0 : index
         %c9 = arith.constant 9 : index
+        %has_res = arith.constant {has_res} : index
         %wn = stream.dispatch.workgroup.id[0] : index
         %wm = stream.dispatch.workgroup.id[1] : index
         %sa = arith.muli %A, %K : index
         %nk = arith.muli %N, %K : index
         %sb = arith.muli %nk, %c9 : index
-        %sc = arith.muli %M, %N : index
+        %sadd = arith.muli %AR, %N : index
 """
-    + buffer_views(("a", "bf16", "sa"), ("b", "bf16", "sb"), ("c", "f32", "sc"))
-    + """        %r = func.call @sdiree_amx_bf16_conv3x3_workgroup(%a_base, %a_off, %b_base, %b_off,
-            %c_base, %c_off, %M, %N, %K, %R, %wn, %wm) : (memref<bf16>, index, memref<bf16>,
-            index, memref<f32>, index, index, index, index, index, index, index) -> i32
+    + buffer_views(("a", "bf16", "sa"), ("b", "bf16", "sb"), ("add", "f32", "sadd"))
+    + "{res_view}"
+    + buffer_views(("c", "f32", "SO"))
+    + """        %r = func.call @sdiree_amx_bf16_conv3x3_out_workgroup(%a_base, %a_off, %b_base,
+            %b_off, %add_base, %add_off, {res_base}, {res_off}, %c_base, %c_off, %M, %N, %K,
+            %R, %H, %I, %AR, %has_res, %wn, %wm) : (memref<bf16>, index, memref<bf16>, index,
+            memref<f32>, index, memref<f32>, index, memref<f32>, index, index, index, index,
+            index, index, index, index, index, index, index) -> i32
         return
       }}
     }}
   }}
-  util.func private @{name}(%a: tensor<{rows}x{k}xbf16>, %b: tensor<9x{j}x{k2}x16x2xbf16>)
-      -> tensor<{m}x{n}xf32> {{
+  util.func private @{name}(%a: tensor<{rows}x{k}xbf16>, %b: tensor<9x{j}x{k2}x16x2xbf16>,
+      %add: tensor<{add_rows}x{n}xf32>{res_param}) -> tensor<{images}x{h}x{w}x{n}xf32> {{
     %m = arith.constant {m} : index
     %n = arith.constant {n} : index
     %k = arith.constant {k} : index
     %row = arith.constant {row} : index
     %rows = arith.constant {rows} : index
-    %0 = flow.dispatch @{name}_exe::@{name}[%m, %n](%a, %b, %m, %n, %k, %row, %rows)
-        : (tensor<{rows}x{k}xbf16>, tensor<9x{j}x{k2}x16x2xbf16>, index, index, index, index,
-           index) -> tensor<{m}x{n}xf32>
-    util.return %0 : tensor<{m}x{n}xf32>
+    %h = arith.constant {h} : index
+    %images = arith.constant {images} : index
+    %add_rows = arith.constant {add_rows} : index
+    %so = arith.constant {so} : index
+    %0 = flow.dispatch @{name}_exe::@{name}[%m, %n](%a, %b, %add, {res_operand}%m, %n, %k, %row,
+        %rows, %h, %images, %add_rows, %so)
+        : (tensor<{rows}x{k}xbf16>, tensor<9x{j}x{k2}x16x2xbf16>, tensor<{add_rows}x{n}xf32>,
+           {res_type}index, index, index, index, index, index, index, index, index)
+        -> tensor<{images}x{h}x{w}x{n}xf32>
+    util.return %0 : tensor<{images}x{h}x{w}x{n}xf32>
   }}
 }}
 """
 )
 
 
-def _make_op():
-    from iree.turbine.runtime.op_reg import CustomOp, def_library
+def _out_values(kb, ksel, has_res: bool) -> dict:
+    """The template's values for a conv3x3_out call (with a residual operand or not)."""
     from iree.turbine.support.ir_imports import RankedTensorType
 
-    loader = template_loader(_TEMPLATE)
+    rows, k = RankedTensorType(kb.arg_bindings[0].type).shape
+    _, j, k2 = RankedTensorType(kb.arg_bindings[1].type).shape[:3]
+    add_rows = RankedTensorType(kb.arg_bindings[2].type).shape[0]
+    first = 4 if has_res else 3
+    row, h, images = (ksel.arg_descs[i].v for i in range(first, first + 3))
+    n, m = j * 16, rows - 2 * row - 2
+    res_type = f"tensor<{images}x{h}x{row - 2}x{n}xf32>"
+    return dict(
+        block_m=BLOCK_M, block_n=BLOCK_N, m=m, k=k, n=n, j=j, k2=k2, row=row, rows=rows, h=h,
+        w=row - 2, images=images, add_rows=add_rows, so=images * h * (row - 2) * n,
+        has_res=int(has_res),
+        res_arg="%res: !stream.binding, " if has_res else "",
+        res_view=_single_braces(buffer_views(("res", "f32", "SO"))) if has_res else "",
+        res_base="%res_base" if has_res else "%add_base",
+        res_off="%res_off" if has_res else "%add_off",
+        res_param=f", %res: {res_type}" if has_res else "",
+        res_operand="%res, " if has_res else "",
+        res_type=f"{res_type}, " if has_res else "",
+    )  # fmt: skip
 
-    @CustomOp.register(library=def_library("sdiree_amx_conv"))
-    class amx_bf16_conv3x3(CustomOp):
-        signature = "amx_bf16_conv3x3(Tensor a, Tensor b, int row) -> (Tensor)"
+
+def _single_braces(text: str) -> str:
+    """Template text as str.format gives it (a value formatted in is not formatted again)."""
+    return text.replace("{{", "{").replace("}}", "}")
+
+
+@functools.cache
+def _make_ops():
+    from iree.turbine.runtime.op_reg import CustomOp, def_library
+
+    loader = template_loader(_OUT_TEMPLATE)
+    library = def_library("sdiree_amx_conv_out")
+
+    def shape(s, row, h, images):
+        return [images, h, row - 2, s[1][1] * 16]
+
+    @CustomOp.register(library=library)
+    class amx_bf16_conv3x3_out(CustomOp):
+        signature = (
+            "amx_bf16_conv3x3_out(Tensor a, Tensor b, Tensor add, int row, int h, int images)"
+            " -> (Tensor)"
+        )
 
         def select(self, ksel):
-            select_static(
-                ksel, 2, 1, lambda s, row: ([s[0][0] - 2 * row - 2, s[1][1] * 16], torch.float32)
-            )
+            select_static(ksel, 3, 3, lambda s, *v: (shape(s, *v), torch.float32))
 
-        def eager_execute(self, a, b, row):
-            return _eager(a, b, row)
+        def eager_execute(self, a, b, add, row, h, images):
+            return _eager_out(a, b, add, None, row, h, images)
 
         def generate(self, ksel, kb):
-            rows, k = RankedTensorType(kb.arg_bindings[0].type).shape
-            _, j, k2 = RankedTensorType(kb.arg_bindings[1].type).shape[:3]
-            row = ksel.arg_descs[2].v
-            m = rows - 2 * row - 2
-            emit_call(
-                loader,
-                kb,
-                KERNEL,
-                f"sdiree_amx_conv3x3_{m}x{k}x{j * 16}r{row}",
-                2,
-                block_m=BLOCK_M,
-                block_n=BLOCK_N,
-                m=m,
-                k=k,
-                n=j * 16,
-                j=j,
-                k2=k2,
-                row=row,
-                rows=rows,
-            )
+            v = _out_values(kb, ksel, False)
+            name = f"sdiree_amx_conv3x3o_{v['m']}x{v['k']}x{v['n']}r{v['row']}"
+            emit_call(loader, kb, KERNEL, name, 3, **v)
 
-    return amx_bf16_conv3x3
+    @CustomOp.register(library=library)
+    class amx_bf16_conv3x3_out_res(CustomOp):
+        signature = (
+            "amx_bf16_conv3x3_out_res(Tensor a, Tensor b, Tensor add, Tensor res, int row,"
+            " int h, int images) -> (Tensor)"
+        )
+
+        def select(self, ksel):
+            select_static(ksel, 4, 3, lambda s, *v: (shape(s, *v), torch.float32))
+
+        def eager_execute(self, a, b, add, res, row, h, images):
+            return _eager_out(a, b, add, res, row, h, images)
+
+        def generate(self, ksel, kb):
+            v = _out_values(kb, ksel, True)
+            name = f"sdiree_amx_conv3x3or_{v['m']}x{v['k']}x{v['n']}r{v['row']}"
+            emit_call(loader, kb, KERNEL, name, 4, **v)
+
+    return amx_bf16_conv3x3_out, amx_bf16_conv3x3_out_res

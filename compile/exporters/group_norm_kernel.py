@@ -95,11 +95,11 @@ def scale_shift(norm, sums: torch.Tensor, ref: torch.Tensor, pixels: int) -> tor
     return torch.stack([a, b], dim=1)
 
 
-def norm_act_conv(norm, act, conv_mod, xh: torch.Tensor):
-    """conv_mod(act(norm(xh))) with the norm on the kernels, the conv on the AMX conv kernel
-    reading the padded rows they write where it takes it; None where norm does not fit (act None
-    or SiLU)."""
-    from .channels_last import conv
+def norm_act_conv(norm, act, conv_mod, xh: torch.Tensor, add=None, residual=None):
+    """residual + conv_mod(act(norm(xh))) + add with the norm on the kernels, the conv on the AMX
+    conv kernel reading the padded rows they write (and adding add and residual in its
+    epilogue) where it takes it; None where norm does not fit (act None or SiLU)."""
+    from .channels_last import conv, with_added
     from .conv_amx import conv3x3_amx_nhwc, conv3x3_amx_padded, padded_rows, takes_input
     from .conv_matmul import CHANNELS_LAST_FORWARD
 
@@ -110,9 +110,11 @@ def norm_act_conv(norm, act, conv_mod, xh: torch.Tensor):
     forward = getattr(getattr(conv_mod, CHANNELS_LAST_FORWARD, None), "__func__", None)
     if forward is conv3x3_amx_nhwc and takes_input(conv_mod, w):
         _, _, tail = padded_rows(n, h, w)
-        return conv3x3_amx_padded(conv_mod, norm_bf16(norm, xh, silu, 1, tail), n, h, w)
+        xp = norm_bf16(norm, xh, silu, 1, tail)
+        return conv3x3_amx_padded(conv_mod, xp, n, h, w, add, residual)
     # another lowering (Winograd below the conv kernel's width) takes the input's dtype
-    return conv(conv_mod, norm_bf16(norm, xh, silu).to(xh.dtype))
+    y = conv(conv_mod, norm_bf16(norm, xh, silu).to(xh.dtype))
+    return with_added(y, add, residual)
 
 
 _STATS = KernelOp("group_norm_stats", lambda: _make_ops()[0])

@@ -25,12 +25,49 @@
 #define SDIREE_AMX_NB 64
 #endif
 
+/* Where a 3x3 conv's epilogue writes (sdiree_amx_bf16_conv3x3_out_workgroup, below). */
+typedef struct {
+  const float *add, *res;
+  float *out;
+  size_t row, H, images, add_rows;
+} sdiree_conv_epilogue;
+
+/* A 32 x 32 block of conv output rows [m, m + 32) x columns [n, n + 32) in blk: the rows of
+   real pixels, plus the add row and the residual, to e->out ([images][H][W][N]). */
+static inline void sdiree_conv_store(const sdiree_conv_epilogue *e, float blk[32][32], size_t m,
+                                     size_t n, size_t N) {
+  const size_t W = e->row - 2, img_rows = (e->H + 2) * e->row;
+  /* the block's first row's image, padded row and column, then stepped along */
+  size_t img = m / img_rows, rem = m - img * img_rows, hp = rem / e->row, wp = rem - hp * e->row;
+  for (int r = 0; r < 32; ++r) {
+    if (img < e->images && hp < e->H && wp < W) {
+      const size_t o = ((img * e->H + hp) * W + wp) * N + n;
+      const float *av = e->add + (e->add_rows > 1 ? img : 0) * N + n;
+      for (int c = 0; c < 32; c += 16) {
+        __m512 v = _mm512_add_ps(_mm512_load_ps(&blk[r][c]), _mm512_loadu_ps(av + c));
+        if (e->res) v = _mm512_add_ps(v, _mm512_loadu_ps(e->res + o + c));
+        _mm512_storeu_ps(e->out + o + c, v);
+      }
+    }
+    if (++wp == e->row) {
+      wp = 0;
+      if (++hp == e->H + 2) {
+        hp = 0;
+        ++img;
+      }
+    }
+  }
+}
+
 /* One workgroup's block of C = sum over taps t of A shifted by shifts[t] rows, times B_t (the
-   taps' packed B operands one after another): the matmul is one tap, the 3x3 conv below nine. */
+   taps' packed B operands one after another): the matmul is one tap, the 3x3 conv below nine.
+   Without an epilogue C is [M][N]; with one, it says where the blocks go. */
 static inline void sdiree_taps_workgroup(const uint16_t *a, const uint16_t *b, float *c, size_t M,
                                          size_t N, size_t K, const size_t *shifts, size_t taps,
-                                         size_t wg_n, size_t wg_m) {
+                                         const sdiree_conv_epilogue *ep, size_t wg_n,
+                                         size_t wg_m) {
   sdiree_configure_tiles();
+  float blk[32][32] __attribute__((aligned(64)));
   const size_t m_begin = wg_m * SDIREE_AMX_MB, n_begin = wg_n * SDIREE_AMX_NB;
   const size_t m_end = m_begin + SDIREE_AMX_MB < M ? m_begin + SDIREE_AMX_MB : M;
   const size_t n_end = n_begin + SDIREE_AMX_NB < N ? n_begin + SDIREE_AMX_NB : N;
@@ -42,7 +79,12 @@ static inline void sdiree_taps_workgroup(const uint16_t *a, const uint16_t *b, f
         const uint8_t *b0 = (const uint8_t *)b + t * tap_bytes + (n / 16) * strip;
         sdiree_dp_32x32(a + (m + shifts[t]) * K, lda, b0, b0 + strip, K);
       }
-      sdiree_store_32x32(c + m * N + n, ldc);
+      if (!ep) {
+        sdiree_store_32x32(c + m * N + n, ldc);
+        continue;
+      }
+      sdiree_store_32x32(&blk[0][0], 128);
+      sdiree_conv_store(ep, blk, m, n, N);
     }
   }
   _tile_release();
@@ -53,7 +95,8 @@ int sdiree_amx_bf16_matmul_workgroup(const uint16_t *a, size_t a_offset, const u
                                      size_t N, size_t K, size_t wg_n, size_t wg_m) {
   sdiree_request_amx();
   const size_t none = 0;
-  sdiree_taps_workgroup(a + a_offset, b + b_offset, c + c_offset, M, N, K, &none, 1, wg_n, wg_m);
+  sdiree_taps_workgroup(a + a_offset, b + b_offset, c + c_offset, M, N, K, &none, 1, 0, wg_n,
+                        wg_m);
   return 0;
 }
 
@@ -121,19 +164,28 @@ int sdiree_amx_bf16_geglu_workgroup(const uint16_t *a, size_t a_offset, const ui
 }
 
 /* A 3x3, stride-1 convolution on AMX as an implicit matmul (compile/exporters/conv_amx.py):
-   C[M, N] (f32) = sum over the 9 taps t of A_t x B_t, where A is the zero-padded channels-last
-   input flattened to rows of K channels, [rows, K] bf16, with `row` = W + 2 rows per image row,
-   A_t its view shifted by (t / 3) * row + t % 3 rows, and B_t the tap's [K, N] weight packed as
-   the matmul's B ([9][N / 16][K / 2][16][2]). Row m of C is the output at padded position m:
-   the graph keeps the rows of real pixels and drops those that fall on the padding, so no
-   tile crosses an image row's edge and A needs no im2col copy. The caller pads A with at least
-   2 * row + 2 zero rows past M. Same grid and blocking as the matmul. */
-int sdiree_amx_bf16_conv3x3_workgroup(const uint16_t *a, size_t a_offset, const uint16_t *b,
-                                      size_t b_offset, float *c, size_t c_offset, size_t M,
-                                      size_t N, size_t K, size_t row, size_t wg_n, size_t wg_m) {
+   the sum over the 9 taps t of A_t x B_t, where A is the zero-padded channels-last input
+   flattened to rows of K channels, [rows, K] bf16, with `row` = W + 2 rows per image row, A_t
+   its view shifted by (t / 3) * row + t % 3 rows, and B_t the tap's [K, N] weight packed as the
+   matmul's B ([9][N / 16][K / 2][16][2]). Row m of the product is the output at padded position
+   m, so no tile crosses an image row's edge and A needs no im2col copy; M is the padded
+   positions rounded up to 32, and the caller pads A with at least 2 * row + 2 zero rows past
+   them. In the workgroup's epilogue only the rows of real pixels leave it, as out
+   [images][H][W][N] f32, each plus add[i][n] (the bias, and a resnet's time embedding; i the
+   image, or 0 where add has one row) and, with has_res, plus res[images][H][W][N] (a resnet's
+   skip): no pass of the graph slices the padded rows or adds the bias or the skip. Same grid
+   and blocking as the matmul. */
+int sdiree_amx_bf16_conv3x3_out_workgroup(const uint16_t *a, size_t a_offset, const uint16_t *b,
+                                          size_t b_offset, const float *add, size_t add_offset,
+                                          const float *res, size_t res_offset, float *out,
+                                          size_t out_offset, size_t M, size_t N, size_t K,
+                                          size_t row, size_t H, size_t images, size_t add_rows,
+                                          size_t has_res, size_t wg_n, size_t wg_m) {
   sdiree_request_amx();
   size_t shifts[9];
   for (size_t t = 0; t < 9; ++t) shifts[t] = (t / 3) * row + t % 3;
-  sdiree_taps_workgroup(a + a_offset, b + b_offset, c + c_offset, M, N, K, shifts, 9, wg_n, wg_m);
+  const sdiree_conv_epilogue ep = {add + add_offset, has_res ? res + res_offset : 0,
+                                   out + out_offset, row, H, images, add_rows};
+  sdiree_taps_workgroup(a + a_offset, b + b_offset, 0, M, N, K, shifts, 9, &ep, wg_n, wg_m);
   return 0;
 }

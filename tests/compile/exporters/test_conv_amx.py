@@ -16,7 +16,7 @@ from llvm_cpu import run_amx_main  # noqa: E402
 from sdiree.compile.exporters import conv_amx  # noqa: E402
 from sdiree.compile.exporters.amx_matmul import register  # noqa: E402
 
-KERNEL_SYMBOL = "sdiree_amx_bf16_conv3x3_workgroup"
+KERNEL_SYMBOL = "sdiree_amx_bf16_conv3x3_out_workgroup"
 
 
 def _bf16_conv(conv, xh):
@@ -76,7 +76,7 @@ def test_exported_conv_is_one_kernel_dispatch_and_matches(n, h, w, c, o):
 
     xh = torch.randn(n, h, w, c)
     text = str(iree_aot.export(Conv(), args=(xh,)).mlir_module)
-    assert text.count("flow.dispatch @sdiree_amx_conv3x3_") == 1
+    assert text.count("flow.dispatch @sdiree_amx_conv3x3o_") == 1
     assert "sdiree_amx_matmul" not in text
     out = run_amx_main(text, xh.numpy(), kernel=KERNEL_SYMBOL)
     if out is None:  # this CPU lacks AMX: cross-compiled only
@@ -84,3 +84,39 @@ def test_exported_conv_is_one_kernel_dispatch_and_matches(n, h, w, c, o):
     want = _bf16_conv(conv, xh).numpy()
     assert out.shape == want.shape
     assert np.abs(out - want).max() / np.abs(want).max() < 1e-5
+
+
+@pytest.mark.parametrize("add_rows,residual", [(2, True), (1, False)])
+def test_epilogue_adds_a_row_per_image_and_the_residual(add_rows, residual):
+    """conv3x3_amx_padded's epilogue: the bias plus a vector per image (a resnet's time
+    embedding) or one for all, plus the residual (its skip), on the real pixels only."""
+    iree_aot = pytest.importorskip("iree.turbine.aot")
+    register()
+    conv_amx.register()
+    torch.manual_seed(add_rows)
+    n, h, w, c, o = 2, 5, 32, 64, 64
+    conv = torch.nn.Conv2d(c, o, 3, padding=1).requires_grad_(False)
+
+    class Conv(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv
+
+        def forward(self, xh, add, res):
+            tail = conv_amx.padded_rows(n, h, w)[2]
+            xp = torch.nn.functional.pad(xh, (0, 0, 1, 1, 1, 1)).reshape(-1, c)
+            xp = torch.nn.functional.pad(xp, (0, 0, 0, tail)).to(torch.bfloat16)
+            return conv_amx.conv3x3_amx_padded(
+                self.conv, xp, n, h, w, add, res if residual else None
+            )
+
+    xh, add, res = torch.randn(n, h, w, c), torch.randn(add_rows, o), torch.randn(n, h, w, o)
+    want = _bf16_conv(conv, xh) + add.double()[:, None, None, :] + (res.double() if residual else 0)
+    with torch.no_grad():
+        assert _rel(Conv()(xh, add, res), want) < 1e-5
+    text = str(iree_aot.export(Conv(), args=(xh, add, res)).mlir_module)
+    assert text.count("flow.dispatch @sdiree_amx_conv3x3o") == 1
+    out = run_amx_main(text, xh.numpy(), add.numpy(), res.numpy(), kernel=KERNEL_SYMBOL)
+    if out is None:  # this CPU lacks AMX: cross-compiled only
+        return
+    assert np.abs(out - want.numpy()).max() / np.abs(want.numpy()).max() < 1e-5
