@@ -30,9 +30,22 @@ ISA_FLAGS = (
     "-mavx512vl",
     "-mavx512bf16",
 )
-# one workgroup's block of C: the kernel's SDIREE_AMX_MB x SDIREE_AMX_NB (its defaults)
+# one workgroup's block of C: the kernel's SDIREE_AMX_MB x SDIREE_AMX_NB (its defaults, the conv's
+# and GEGLU's)
 BLOCK_M, BLOCK_N = 128, 64
+# the matmul's block where its weight is at most WIDE_MAX_WEIGHT elements (block_for)
+WIDE_BLOCK = (64, 256)
+WIDE_MAX_WEIGHT = 640 * 640
 MULTIPLE = 32
+
+
+def block_for(k: int, n: int) -> tuple[int, int]:
+    """The matmul's workgroup block (rows, columns) for a [*, k] x [k, n] product: a small weight
+    (SD 1.5's 320- and 640-wide linears) in wide blocks walked by rows, its A rows staying in L1
+    while B streams from L2; a larger one in the default blocks walked by B strips. One core,
+    kernel alone: 8192x320x1280 1.57 -> 1.85 TFLOPS, 2048x640x640 1.37 -> 1.60, 8192x320x320
+    1.60 -> 1.74; 512x1280x1280 would drop 1.34 -> 1.12 (compile/NOTES.md)."""
+    return WIDE_BLOCK if k * n <= WIDE_MAX_WEIGHT else (BLOCK_M, BLOCK_N)
 
 
 def fits(m, n: int, k: int) -> bool:
@@ -133,7 +146,7 @@ _TEMPLATE = (
     }}
     builtin.module {{
       func.func private @sdiree_amx_bf16_matmul_workgroup(memref<bf16>, index, memref<bf16>,
-          index, memref<f32>, index, index, index, index, index, index) -> i32
+          index, memref<f32>, index, index, index, index, index, index, index, index) -> i32
           attributes {{hal.import.static, llvm.bareptr = true}}
       func.func @{name}(%a: !stream.binding, %b: !stream.binding, %c: !stream.binding,
           %B: index, %M: index, %N: index, %K: index) {{
@@ -155,9 +168,11 @@ _TEMPLATE = (
         %ao = arith.addi %a_off, %da : index
         %bo = arith.addi %b_off, %db : index
         %co = arith.addi %c_off, %dc : index
+        %mb = arith.constant {block_m} : index
+        %nb = arith.constant {block_n} : index
         %r = func.call @sdiree_amx_bf16_matmul_workgroup(%a_base, %ao, %b_base, %bo, %c_base,
-            %co, %M, %N, %K, %wn, %wm) : (memref<bf16>, index, memref<bf16>, index,
-            memref<f32>, index, index, index, index, index, index) -> i32
+            %co, %M, %N, %K, %mb, %nb, %wn, %wm) : (memref<bf16>, index, memref<bf16>, index,
+            memref<f32>, index, index, index, index, index, index, index, index) -> i32
         return
       }}
     }}
@@ -251,14 +266,15 @@ def _make_op():
             *batch, m, k = RankedTensorType(kb.arg_bindings[0].type).shape
             j, k2 = RankedTensorType(kb.arg_bindings[1].type).shape[-4:-2]
             lead = "".join(f"{d}x" for d in batch)
+            block_m, block_n = block_for(k, j * 16)
             emit_call(
                 loader,
                 kb,
                 KERNEL,
                 f"sdiree_amx_matmul_{lead}{m}x{k}x{j * 16}",
                 2,
-                block_m=BLOCK_M,
-                block_n=BLOCK_N,
+                block_m=block_m,
+                block_n=block_n,
                 bt=batch[0] if batch else 1,
                 m=m,
                 k=k,

@@ -12,7 +12,9 @@
    Built freestanding (no libc, no TLS) for iree's embedded ELF executables by
    compile/kernel_objects.py and linked into the module as a `hal.executable.object`. The
    workgroup grid is (N / NB, M / MB): each call computes one MB x NB block of C, 32 x 32 at a
-   time in four accumulator tiles (0-3), two A tiles (4, 5) and two B tiles (6, 7).
+   time in four accumulator tiles (0-3), two A tiles (4, 5) and two B tiles (6, 7). The matmul's
+   MB and NB come with the call (compile/exporters/amx_matmul.py picks them by shape), the
+   others' are SDIREE_AMX_MB x SDIREE_AMX_NB.
 
    Also here: the GEGLU form (sdiree_amx_bf16_geglu_workgroup, below), a matmul whose epilogue
    adds the bias and applies GEGLU's gate before anything leaves the workgroup. */
@@ -64,27 +66,31 @@ static inline void sdiree_conv_store(const sdiree_conv_epilogue *e, float blk[32
    Without an epilogue C is [M][N]; with one, it says where the blocks go. */
 static inline void sdiree_taps_workgroup(const uint16_t *a, const uint16_t *b, float *c, size_t M,
                                          size_t N, size_t K, const size_t *shifts, size_t taps,
-                                         const sdiree_conv_epilogue *ep, size_t wg_n,
-                                         size_t wg_m) {
+                                         const sdiree_conv_epilogue *ep, size_t MB, size_t NB,
+                                         size_t wg_n, size_t wg_m) {
   sdiree_configure_tiles();
   float blk[32][32] __attribute__((aligned(64)));
-  const size_t m_begin = wg_m * SDIREE_AMX_MB, n_begin = wg_n * SDIREE_AMX_NB;
-  const size_t m_end = m_begin + SDIREE_AMX_MB < M ? m_begin + SDIREE_AMX_MB : M;
-  const size_t n_end = n_begin + SDIREE_AMX_NB < N ? n_begin + SDIREE_AMX_NB : N;
+  const size_t m_begin = wg_m * MB, n_begin = wg_n * NB;
+  const size_t m_end = m_begin + MB < M ? m_begin + MB : M;
+  const size_t n_end = n_begin + NB < N ? n_begin + NB : N;
   const size_t lda = K * 2, ldc = N * 4, strip = K * 32, tap_bytes = N * K * 2; /* bytes */
-  for (size_t n = n_begin; n < n_end; n += 32) {
-    for (size_t m = m_begin; m < m_end; m += 32) {
-      sdiree_zero_32x32();
-      for (size_t t = 0; t < taps; ++t) {
-        const uint8_t *b0 = (const uint8_t *)b + t * tap_bytes + (n / 16) * strip;
-        sdiree_dp_32x32(a + (m + shifts[t]) * K, lda, b0, b0 + strip, K);
-      }
-      if (!ep) {
-        sdiree_store_32x32(c + m * N + n, ldc);
-        continue;
-      }
+  /* a narrow block walks its B strips outermost (each strip stays in L1 over the block's rows);
+     a wide one its rows (each 32-row A block stays in L1 over the strips, B streams from L2) */
+  const int rows_outer = NB >= 128;
+  const size_t steps_m = (m_end - m_begin + 31) / 32, steps_n = (n_end - n_begin + 31) / 32;
+  for (size_t i = 0; i < steps_m * steps_n; ++i) {
+    const size_t n = n_begin + 32 * (rows_outer ? i % steps_n : i / steps_m);
+    const size_t m = m_begin + 32 * (rows_outer ? i / steps_n : i % steps_m);
+    sdiree_zero_32x32();
+    for (size_t t = 0; t < taps; ++t) {
+      const uint8_t *b0 = (const uint8_t *)b + t * tap_bytes + (n / 16) * strip;
+      sdiree_dp_32x32(a + (m + shifts[t]) * K, lda, b0, b0 + strip, K);
+    }
+    if (ep) {
       sdiree_store_32x32(&blk[0][0], 128);
       sdiree_conv_store(ep, blk, m, n, N);
+    } else {
+      sdiree_store_32x32(c + m * N + n, ldc);
     }
   }
   _tile_release();
@@ -92,11 +98,12 @@ static inline void sdiree_taps_workgroup(const uint16_t *a, const uint16_t *b, f
 
 int sdiree_amx_bf16_matmul_workgroup(const uint16_t *a, size_t a_offset, const uint16_t *b,
                                      size_t b_offset, float *c, size_t c_offset, size_t M,
-                                     size_t N, size_t K, size_t wg_n, size_t wg_m) {
+                                     size_t N, size_t K, size_t MB, size_t NB, size_t wg_n,
+                                     size_t wg_m) {
   sdiree_request_amx();
   const size_t none = 0;
-  sdiree_taps_workgroup(a + a_offset, b + b_offset, c + c_offset, M, N, K, &none, 1, 0, wg_n,
-                        wg_m);
+  sdiree_taps_workgroup(a + a_offset, b + b_offset, c + c_offset, M, N, K, &none, 1, 0, MB, NB,
+                        wg_n, wg_m);
   return 0;
 }
 
@@ -186,6 +193,7 @@ int sdiree_amx_bf16_conv3x3_out_workgroup(const uint16_t *a, size_t a_offset, co
   for (size_t t = 0; t < 9; ++t) shifts[t] = (t / 3) * row + t % 3;
   const sdiree_conv_epilogue ep = {add + add_offset, has_res ? res + res_offset : 0,
                                    out + out_offset, row, H, images, add_rows};
-  sdiree_taps_workgroup(a + a_offset, b + b_offset, 0, M, N, K, shifts, 9, &ep, wg_n, wg_m);
+  sdiree_taps_workgroup(a + a_offset, b + b_offset, 0, M, N, K, shifts, 9, &ep, SDIREE_AMX_MB,
+                        SDIREE_AMX_NB, wg_n, wg_m);
   return 0;
 }
