@@ -145,14 +145,18 @@ def _eager_apply(x, ab, rb: int, pad: int, tail: int, silu: int) -> torch.Tensor
     return torch.nn.functional.pad(y, (0, 0, 0, tail))
 
 
-_STATS_TEMPLATE = (
-    TEMPLATE_HEAD
-    + """    stream.executable.export public @{name} workgroups(%nb: index, %n: index)
+# Both kernels' grid: (blocks of an image, images).
+GRID_BLOCKS_IMAGES = """    stream.executable.export public @{name} workgroups(%nb: index, %n: index)
         -> (index, index, index) {{
       %c1 = arith.constant 1 : index
       stream.return %nb, %n, %c1 : index, index, index
     }}
-    builtin.module {{
+"""
+
+_STATS_TEMPLATE = (
+    TEMPLATE_HEAD
+    + GRID_BLOCKS_IMAGES
+    + """    builtin.module {{
       func.func private @sdiree_group_norm_stats_workgroup(memref<f32>, index, memref<f32>,
           index, index, index, index, index, index) -> i32
           attributes {{hal.import.static, llvm.bareptr = true}}
@@ -193,12 +197,8 @@ _STATS_TEMPLATE = (
 
 _APPLY_TEMPLATE = (
     TEMPLATE_HEAD
-    + """    stream.executable.export public @{name} workgroups(%nb: index, %n: index)
-        -> (index, index, index) {{
-      %c1 = arith.constant 1 : index
-      stream.return %nb, %n, %c1 : index, index, index
-    }}
-    builtin.module {{
+    + GRID_BLOCKS_IMAGES
+    + """    builtin.module {{
       func.func private @sdiree_group_norm_apply_workgroup(memref<f32>, index, memref<f32>,
           index, memref<bf16>, index, index, index, index, index, index, index, index, index,
           index, index) -> i32 attributes {{hal.import.static, llvm.bareptr = true}}
