@@ -18,8 +18,10 @@
      o  [B][NQ][H][DO] f32: the first DO <= DV columns of the normalized output, the heads
         side by side again, as the output projection reads them.
    NQ and NK are multiples of 32. q comes scaled by log2(e) too, so the softmax's exponentials are
-   powers of 2. The probabilities P are rounded to bf16 for the product; the row sums l are summed
-   in f32 before that rounding (its errors are unbiased and average out over a row).
+   powers of 2, and as P is rounded to bf16 for the product they are taken to bf16's precision
+   (sdiree_exp2_coarse); the row sums l are summed in f32 before that rounding (its errors are
+   unbiased and average out over a row), 16 lanes a row until the end. A block's row maximum is
+   reduced only when a score passes the row's reference by more than SLACK.
 
    Built freestanding like amx_bf16_matmul.c (compile/kernel_objects.py). Its stack frame is
    ~45 KB (iree's task workers have 128 KB). */
@@ -44,10 +46,11 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
   float s[QB][KB] __attribute__((aligned(64)));
   uint16_t p[QB][KB] __attribute__((aligned(64)));
   float acc[QB][DV_MAX] __attribute__((aligned(64)));
-  float m[QB], l[QB];
+  float m[QB];
+  float l[QB][16] __attribute__((aligned(64))); /* each row's sum, 16 lanes: reduced at the end */
   for (int r = 0; r < QB; ++r) {
     m[r] = -1e30f;
-    l[r] = 0.0f;
+    _mm512_store_ps(l[r], _mm512_setzero_ps());
     for (size_t c = 0; c < DV; c += 16) _mm512_store_ps(&acc[r][c], _mm512_setzero_ps());
   }
 
@@ -72,9 +75,10 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
     for (int r = 0; r < QB; ++r) {
       __m512 mx = _mm512_load_ps(&s[r][0]);
       for (size_t c = 16; c < len; c += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(&s[r][c]));
-      const float row_max = _mm512_reduce_max_ps(mx);
       alpha[r] = 1.0f;
-      if (row_max > m[r] + SLACK) {
+      /* the row's maximum is reduced only when some score passed the reference (rarely) */
+      if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m[r] + SLACK), _CMP_GT_OQ)) {
+        const float row_max = _mm512_reduce_max_ps(mx);
         alpha[r] = m[r] - row_max; /* the exponent, for now */
         m[r] = row_max;
         rescale = 1;
@@ -88,8 +92,8 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
       }
       for (int r = 0; r < QB; ++r) {
         if (alpha[r] == 1.0f) continue;
-        l[r] *= alpha[r];
         const __m512 av = _mm512_set1_ps(alpha[r]);
+        _mm512_store_ps(l[r], _mm512_mul_ps(_mm512_load_ps(l[r]), av));
         for (size_t c = 0; c < DV; c += 16)
           _mm512_store_ps(&acc[r][c], _mm512_mul_ps(_mm512_load_ps(&acc[r][c]), av));
       }
@@ -104,7 +108,7 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
         sum0 = _mm512_add_ps(sum0, e0);
         sum1 = _mm512_add_ps(sum1, e1);
       }
-      l[r] += _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+      _mm512_store_ps(l[r], _mm512_add_ps(_mm512_load_ps(l[r]), _mm512_add_ps(sum0, sum1)));
     }
     /* acc += p v for the same keys */
     for (size_t n = 0; n < DV; n += 32) {
@@ -117,7 +121,7 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
   _tile_release();
 
   for (int r = 0; r < QB; ++r) {
-    const float inv = 1.0f / l[r];
+    const float inv = 1.0f / _mm512_reduce_add_ps(_mm512_load_ps(l[r]));
     for (size_t c = 0; c < DO; ++c) oh[r * H * DO + c] = acc[r][c] * inv;
   }
   return 0;
