@@ -111,7 +111,7 @@ int sdiree_amx_bf16_matmul_workgroup(const uint16_t *a, size_t a_offset, const u
 static inline __m512 erf16(__m512 x) {
   const __m512 ax = _mm512_abs_ps(x);
   const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(ax, _mm512_set1_ps(0.3275911f), one));
+  const __m512 t = sdiree_rcp(_mm512_fmadd_ps(ax, _mm512_set1_ps(0.3275911f), one));
   __m512 y = _mm512_set1_ps(1.061405429f);
   y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(-1.453152027f));
   y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(1.421413741f));

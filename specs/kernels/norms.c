@@ -74,10 +74,12 @@ static inline void zero_bf16(uint16_t *dst, size_t count) {
   for (; i < count; ++i) dst[i] = 0;
 }
 
-/* silu(y) = y / (1 + 2^(-y log2 e)); very negative y give 2^x = inf and so -0 */
+/* silu(y) = y / (1 + 2^(-y log2 e)), the exponent at most 100 (y > -69: 2^100 stays finite for
+   sdiree_rcp, and y / 2^100 is 0 in bf16 as y / inf would be) */
 static inline __m512 silu16(__m512 y) {
-  const __m512 e = sdiree_exp2(_mm512_mul_ps(y, _mm512_set1_ps(-1.44269504f)));
-  return _mm512_div_ps(y, _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
+  const __m512 x = _mm512_min_ps(_mm512_mul_ps(y, _mm512_set1_ps(-1.44269504f)),
+                                 _mm512_set1_ps(100.0f));
+  return _mm512_mul_ps(y, sdiree_rcp(_mm512_add_ps(sdiree_exp2(x), _mm512_set1_ps(1.0f))));
 }
 
 int sdiree_group_norm_apply_workgroup(const float *x, size_t x_offset, const float *ab,
