@@ -82,7 +82,8 @@ def amx_attention_heads(query, key, value, heads: int, scale: float) -> torch.Te
     b, nq, hd = query.shape
     d = hd // heads
 
-    def split(t):
+    def split(t):  # in bf16: the projection's bias pass writes it so, half the bytes moved
+        t = t.to(torch.bfloat16)
         return t.reshape(b, -1, heads, d).permute(0, 2, 1, 3).reshape(b * heads, -1, d)
 
     out = _attend(query.reshape(b, nq, heads, d), split(key), split(value), scale)
@@ -96,13 +97,17 @@ def _attend(q4, key, value, scale: float) -> torch.Tensor:
     d = q4.shape[-1]
     pad = padded(d) - d
     extra = -key.shape[1] % MULTIPLE  # padded keys, masked out in the first padded column
-    q = q4 * (scale * LOG2_E)
+    # every pad, column and pack below in bf16 (the values the kernel reads, half the bytes)
+    q = (q4 * (scale * LOG2_E)).to(torch.bfloat16)
+    key, value = key.to(torch.bfloat16), value.to(torch.bfloat16)
     if extra:
         q = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)
-        column = F.pad(torch.zeros_like(key[..., :1]), (0, 0, 0, extra), value=MASKED_OUT)
+        # made in f32 and cast: a bf16 pad value would be a bf16 scalar in iree's VM
+        column = F.pad(torch.zeros_like(key[..., :1], dtype=torch.float32), (0, 0, 0, extra),
+                       value=MASKED_OUT).to(torch.bfloat16)  # fmt: skip
         key = torch.cat([F.pad(key, (0, 0, 0, extra)), column], dim=-1)
         value = F.pad(value, (0, 0, 0, extra))
-    q = F.pad(q, (0, padded(d) - q.shape[-1])).to(torch.bfloat16)
+    q = F.pad(q, (0, padded(d) - q.shape[-1]))
     k = pack_b(F.pad(key, (0, padded(d) - key.shape[-1])))
     v = pack_b(F.pad(value, (0, pad)).transpose(1, 2))
     return _OP(q, k, v, d)
