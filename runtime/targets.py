@@ -352,6 +352,9 @@ EXPORT_CHOICES = {
     # the kernel of the split Winograd products and `chunked` attention's matmuls: iree's, or
     # sdiree's AMX one (compile/exporters/amx_matmul.py)
     "matmul_kernel": ("iree", "amx"),
+    # the AMX kernels' operands: bf16, or each f32 value as two bf16 parts, three products
+    # (fp32-class results; compile/exporters/amx_matmul.py)
+    "amx_operands": ("bf16", "bf16x3"),
 }
 # positive integers, in submodule_export.unet only: F(4x4) from this input side; plain matmuls
 # where the input side is at most the latent's / this

@@ -26,8 +26,9 @@ from sdiree.runtime.targets import UNET_ONLY_EXPORT
 # 12: under `matmul_kernel: amx` with channels-last layouts, GroupNorm (+ SiLU) on its kernels
 # (group_norm_kernel.py), written as the conv kernel's padded bf16 input, the transformer
 # blocks' LayerNorms on a kernel too (layer_norm_kernel.py), both giving bf16, and the conv
-# kernel's epilogue writing only real pixels with the bias, time embedding and skip added.
-EXPORTER_REVISION = 12
+# kernel's epilogue writing only real pixels with the bias, time embedding and skip added;
+# 13: the AMX kernels' ops take `split` (export choice `amx_operands`).
+EXPORTER_REVISION = 13
 # Bumped when weights derived at export (Winograd) are computed differently, so that cached
 # derived archives written before are written again (compile/driver.py). 2: rounded once to the
 # export dtype; before, an fp16 file compiled in fp32 had its transformed weights rounded to fp16
@@ -114,11 +115,15 @@ def added_conditioning(plan) -> dict[str, int] | None:
 
 def plan_for(builder, submodule: str):
     """The ExportPlan of one submodule for the builder's compile plan."""
+    from .amx_matmul import set_split
     from .linear_flat import set_linear_lowering
     from .linear_panels import DERIVED_TAG as PANELS_TAG
 
     model = builder.torch_model(COMPONENTS[submodule])
-    linear = builder.export_options(submodule).get("linear", "native")
+    options = builder.export_options(submodule)
+    if options.get("amx_operands", "bf16") == "bf16x3":
+        set_split(model)  # the AMX kernels' operands as two bf16 parts each (amx_matmul.py)
+    linear = options.get("linear", "native")
     rebound = set_linear_lowering(model, linear)
     xplan = _plan_for(builder, submodule, model)
     if linear == "panels" and rebound:

@@ -12,6 +12,13 @@ of a Linear's [N, K] weight: a transpose and a cast of a parameter, which iree h
 parameter encoder, so the encoded archive holds it and no call pays for it), and the result
 [M, N] float32 (products of bf16 inputs summed in fp32). M, N and K must be multiples of 32
 (`fits`); eagerly (tests, shape probes) the op is the same product in torch.
+
+Export choice `amx_operands: bf16x3` (`set_split` marks a model's modules; every AMX op of a
+marked module takes `split`): each operand an f32 value as the sum of two bf16 parts, hi + lo,
+side by side along K (`operand`, `weight_operand`: the same bytes as f32), and each product
+A_hi B_hi + A_hi B_lo + A_lo B_hi (the kernels' sdiree_dp3_32x32): results of fp32's class
+(an SD 1.5 UNet call 1.7e-5 from torch fp32, emulated; sdiree's fp32 build 1.2e-5, bf16 9e-3)
+at a third of AMX's bf16 rate, still several times AVX-512's f32 one (compile/NOTES.md).
 """
 
 from __future__ import annotations
@@ -68,11 +75,70 @@ def unpack_b(packed: torch.Tensor) -> torch.Tensor:
     return packed.permute(*range(len(lead)), -3, -1, -4, -2).reshape(*lead, k2 * 2, j * 16)
 
 
-def amx_matmul(a: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+def amx_matmul(a: torch.Tensor, packed: torch.Tensor, split: bool = False) -> torch.Tensor:
     """a [M, K] bf16 times pack_b's operand: [M, N] float32; or a batch of them, a [B, M, K]
     and pack_b's operand of a [B, N, K] weight (one dispatch, the batch its grid's third axis).
+    With split, both are hi and lo parts side by side (operand, weight_operand).
     `register()` first, outside a trace: dynamo cannot trace the op's registration."""
-    return _OP(a, packed)
+    return _OP(a, packed, int(split))
+
+
+AMX_OPERANDS = ("bf16", "bf16x3")  # export choice `amx_operands`
+SPLIT_MARK = "sdiree_amx_split"
+
+
+def set_split(model: torch.nn.Module) -> None:
+    """Mark every module of model for `amx_operands: bf16x3` (is_split)."""
+    for m in model.modules():
+        setattr(m, SPLIT_MARK, True)
+
+
+def is_split(module) -> bool:
+    return bool(getattr(module, SPLIT_MARK, False))
+
+
+def operand(x: torch.Tensor, split: bool, dim: int = -1) -> torch.Tensor:
+    """x as a kernel's bf16 operand: cast, or with split its hi and lo parts concatenated along
+    dim (K). A bf16 x is one already (a norm or GEGLU kernel's result) and is returned as is."""
+    if x.dtype == torch.bfloat16:
+        return x
+    if not split:
+        return x.to(torch.bfloat16)
+    x = x.float()
+    # hi = x rounded to bf16 (to nearest, ties to even) on the bits: iree 3.13 folds the
+    # x - f32(bf16(x)) of a cast pair to 0 in some graphs (the attention's scaled queries)
+    bits = x.view(torch.int32)
+    hi = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).view(torch.float32)
+    return torch.cat([hi.to(torch.bfloat16), (x - hi).to(torch.bfloat16)], dim=dim)
+
+
+def weight_operand(w: torch.Tensor, split: bool, dim: int = -1) -> torch.Tensor:
+    """A weight [..., N, K] before pack_b: as it is, or with split its hi and lo parts along K
+    (dim): pack_b then packs [hi | lo] along K, as the kernels read it."""
+    return operand(w, True, dim) if split else w
+
+
+def from_operand(x: torch.Tensor, split: bool) -> torch.Tensor:
+    """An operand back in f32 (hi + lo with split)."""
+    if not split:
+        return x.float()
+    k = x.shape[-1] // 2
+    return x[..., :k].float() + x[..., k:].float()
+
+
+def product(a: torch.Tensor, b: torch.Tensor, split: bool) -> torch.Tensor:
+    """The kernels' a [.., M, K] x b [.., K, N] in torch (eager ops): with split, the three
+    products of the parts."""
+    if not split:
+        return a.float() @ b.float()
+    k = a.shape[-1] // 2
+    a_hi, a_lo, b_hi, b_lo = (
+        a[..., :k].float(),
+        a[..., k:].float(),
+        b[..., :k, :].float(),
+        b[..., k:, :].float(),
+    )
+    return a_hi @ b_lo + a_hi @ b_hi + a_lo @ b_hi
 
 
 class KernelOp:
@@ -146,8 +212,8 @@ _TEMPLATE = (
     }}
     builtin.module {{
       func.func private @sdiree_amx_bf16_matmul_workgroup(memref<bf16>, index, memref<bf16>,
-          index, memref<f32>, index, index, index, index, index, index, index, index) -> i32
-          attributes {{hal.import.static, llvm.bareptr = true}}
+          index, memref<f32>, index, index, index, index, index, index, index, index, index)
+          -> i32 attributes {{hal.import.static, llvm.bareptr = true}}
       func.func @{name}(%a: !stream.binding, %b: !stream.binding, %c: !stream.binding,
           %B: index, %M: index, %N: index, %K: index) {{
         %c0 = arith.constant 0 : index
@@ -170,9 +236,11 @@ _TEMPLATE = (
         %co = arith.addi %c_off, %dc : index
         %mb = arith.constant {block_m} : index
         %nb = arith.constant {block_n} : index
+        %split = arith.constant {split} : index
         %r = func.call @sdiree_amx_bf16_matmul_workgroup(%a_base, %ao, %b_base, %bo, %c_base,
-            %co, %M, %N, %K, %mb, %nb, %wn, %wm) : (memref<bf16>, index, memref<bf16>, index,
-            memref<f32>, index, index, index, index, index, index, index, index) -> i32
+            %co, %M, %N, %K, %mb, %nb, %split, %wn, %wm) : (memref<bf16>, index, memref<bf16>,
+            index, memref<f32>, index, index, index, index, index, index, index, index, index)
+            -> i32
         return
       }}
     }}
@@ -254,27 +322,29 @@ def _make_op():
 
     @CustomOp.register(library=def_library("sdiree_amx"))
     class amx_bf16_matmul(CustomOp):
-        signature = "amx_bf16_matmul(Tensor a, Tensor b) -> (Tensor)"
+        signature = "amx_bf16_matmul(Tensor a, Tensor b, int split) -> (Tensor)"
 
         def select(self, ksel):
-            select_static(ksel, 2, 0, lambda s: ([*s[0][:-1], s[1][-4] * 16], torch.float32))
+            select_static(ksel, 2, 1, lambda s, _: ([*s[0][:-1], s[1][-4] * 16], torch.float32))
 
-        def eager_execute(self, a, b):
-            return a.float() @ unpack_b(b).float()
+        def eager_execute(self, a, b, split):
+            return product(a, unpack_b(b), bool(split))
 
         def generate(self, ksel, kb):
             *batch, m, k = RankedTensorType(kb.arg_bindings[0].type).shape
             j, k2 = RankedTensorType(kb.arg_bindings[1].type).shape[-4:-2]
             lead = "".join(f"{d}x" for d in batch)
-            block_m, block_n = block_for(k, j * 16)
+            split = ksel.arg_descs[2].v
+            block_m, block_n = block_for(k // (2 if split else 1), j * 16)
             emit_call(
                 loader,
                 kb,
                 KERNEL,
-                f"sdiree_amx_matmul_{lead}{m}x{k}x{j * 16}",
+                f"sdiree_amx_matmul_{lead}{m}x{k}x{j * 16}{'s' if split else ''}",
                 2,
                 block_m=block_m,
                 block_n=block_n,
+                split=split,
                 bt=batch[0] if batch else 1,
                 m=m,
                 k=k,

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from . import attention_amx
-from .amx_matmul import MULTIPLE, amx_matmul, fits, pack_b
+from .amx_matmul import MULTIPLE, amx_matmul, fits, is_split, operand, pack_b, weight_operand
 from .amx_matmul import register as register_amx
 
 # Largest score block (one head's queries x keys, in bytes of the score dtype) a chunk may hold,
@@ -64,44 +64,45 @@ def chunked_attention(
     mask: torch.Tensor | None = None,
     budget: int = SCORE_BLOCK_BYTES,
     matmul: str = "iree",
+    split: bool = False,
 ) -> torch.Tensor:
     """softmax(query @ key^T * scale + mask) @ value on [batch*heads, tokens, dim] tensors.
     matmul (export choice `matmul_kernel`) `amx`: the fused AMX attention kernel where it fits
     (attention_amx.py), else both matmuls on sdiree's AMX matmul where the token counts fit it
-    (amx_operands)."""
+    (amx_operands); split: export choice `amx_operands: bf16x3` (amx_matmul.py)."""
     if matmul == "amx" and query.dtype == torch.float32 and attention_amx.fits(query, key, mask):
-        return attention_amx.amx_attention(query, key, value, scale)
+        return attention_amx.amx_attention(query, key, value, scale, split)
     bh, nq, d = query.shape
     qc = query_block(nq, key.shape[1], query.element_size(), budget)
     query = query * scale
     value1 = torch.cat([value, torch.ones_like(value[..., :1])], dim=-1)
     amx = matmul == "amx" and fits(qc, key.shape[1], MULTIPLE) and query.dtype == torch.float32
     if amx:
-        query, key, value1 = amx_operands(query, key, value1)
+        query, key, value1 = amx_operands(query, key, value1, split)
     heads = []
     for h in range(bh):
-        k_t = key[h].t() if not amx else pack_b(key[h])
-        v_h = value1[h] if not amx else pack_b(value1[h].t())
+        k_t = key[h].t() if not amx else pack_b(weight_operand(key[h], split))
+        v_h = value1[h] if not amx else pack_b(weight_operand(value1[h].t(), split))
         rows = []
         for i in range(0, nq, qc):
             q = query[h, i : i + qc]
-            s = torch.mm(q, k_t) if not amx else amx_matmul(q, k_t)
+            s = torch.mm(q, k_t) if not amx else amx_matmul(q, k_t, split)
             if mask is not None:  # [batch*heads, 1 or queries, keys]
                 s = s + (mask[h] if mask.shape[1] == 1 else mask[h, i : i + qc])
             e = torch.exp(s - s.amax(dim=-1, keepdim=True))
-            r = torch.mm(e, v_h) if not amx else amx_matmul(e.to(torch.bfloat16), v_h)
+            r = torch.mm(e, v_h) if not amx else amx_matmul(operand(e, split), v_h, split)
             rows.append(r[:, :d] / r[:, d : d + 1])
         heads.append(torch.cat(rows) if len(rows) > 1 else rows[0])
     return torch.stack(heads)
 
 
-def amx_operands(query, key, value1):
-    """query, key and [value | 1] for the AMX kernel: bf16, their last dim zero-padded to a
-    multiple of 32 (SD 1.5's heads: 40 -> 64, 80 -> 96, 160; zeros add nothing to a score, and
-    the padded output columns are dropped)."""
+def amx_operands(query, key, value1, split: bool = False):
+    """query, key and [value | 1] for the AMX kernel: the query as its operand (bf16, or split),
+    their last dim zero-padded to a multiple of 32 (SD 1.5's heads: 40 -> 64, 80 -> 96, 160;
+    zeros add nothing to a score, and the padded output columns are dropped)."""
     d, dv = query.shape[-1], value1.shape[-1]
     pad, pad_v = -d % MULTIPLE, -dv % MULTIPLE
-    query = torch.nn.functional.pad(query, (0, pad)).to(torch.bfloat16)
+    query = operand(torch.nn.functional.pad(query, (0, pad)), split)
     key = torch.nn.functional.pad(key, (0, pad))
     value1 = torch.nn.functional.pad(value1, (0, pad_v))
     return query, key, value1
@@ -142,7 +143,9 @@ class ChunkedAttnProcessor:
         key, value = attn.to_k(context), attn.to_v(context)
         if self.heads_in_place(query, key, attn.heads, mask):
             # the fused AMX kernel on the projections as they are: no head split or merge
-            out = attention_amx.amx_attention_heads(query, key, value, attn.heads, attn.scale)
+            out = attention_amx.amx_attention_heads(
+                query, key, value, attn.heads, attn.scale, self.split
+            )
             hidden_states = attn.to_out[1](attn.to_out[0](out.to(query.dtype)))
         else:
             key, value = attn.head_to_batch_dim(key), attn.head_to_batch_dim(value)
@@ -159,12 +162,15 @@ class ChunkedAttnProcessor:
             hidden_states = hidden_states + residual
         return hidden_states / attn.rescale_output_factor
 
-    def __init__(self, block_bytes: int | None = None, matmul: str = "iree"):
+    def __init__(self, block_bytes: int | None = None, matmul: str = "iree", split: bool = False):
         self.block_bytes = block_bytes or SCORE_BLOCK_BYTES
         self.matmul = matmul
+        self.split = split
 
     def attend(self, query, key, value, scale, mask):
-        return chunked_attention(query, key, value, scale, mask, self.block_bytes, self.matmul)
+        return chunked_attention(
+            query, key, value, scale, mask, self.block_bytes, self.matmul, self.split
+        )
 
     def heads_in_place(self, query, key, heads: int, mask) -> bool:
         """Whether attention on these projections goes to the fused AMX kernel as they are
@@ -261,7 +267,8 @@ def set_attention(
     if matmul == "amx":
         register_amx()
         attention_amx.register()
-    model.set_attn_processor(processor(block_bytes, matmul) if ours else processor())
+    split = is_split(model)  # export choice `amx_operands: bf16x3` (amx_matmul.set_split)
+    model.set_attn_processor(processor(block_bytes, matmul, split) if ours else processor())
     if attention == "sdpa":
         from diffusers.models.attention_processor import Attention
 

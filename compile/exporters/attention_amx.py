@@ -32,10 +32,13 @@ from .amx_matmul import (
     KernelOp,
     buffer_views,
     emit_call,
+    operand,
     pack_b,
+    product,
     select_static,
     template_loader,
     unpack_b,
+    weight_operand,
 )
 
 KERNEL = "amx_bf16_attention"
@@ -68,13 +71,15 @@ def fits_heads(query: torch.Tensor, key: torch.Tensor, heads: int, mask) -> bool
     return fits(query[:1, :, :d], key[:1, :, :d], mask)
 
 
-def amx_attention(query, key, value, scale: float) -> torch.Tensor:
+def amx_attention(query, key, value, scale: float, split: bool = False) -> torch.Tensor:
     """softmax(query key^T * scale) value on [batch*heads, tokens, dim] fp32 tensors, on the
-    kernel (`register()` first, outside a trace)."""
-    return _attend(query[:, :, None], key, value, scale)[:, :, 0]
+    kernel (`register()` first, outside a trace); split: `amx_operands: bf16x3`."""
+    return _attend(query[:, :, None], key, value, scale, split)[:, :, 0]
 
 
-def amx_attention_heads(query, key, value, heads: int, scale: float) -> torch.Tensor:
+def amx_attention_heads(
+    query, key, value, heads: int, scale: float, split: bool = False
+) -> torch.Tensor:
     """The same on the projections [batch, tokens, heads * dim], the result in that layout too:
     the kernel reads each head's queries and writes its output in place (strided rows), so no
     transpose splits the heads of q or merges those of the output (the keys' and values' split
@@ -82,35 +87,38 @@ def amx_attention_heads(query, key, value, heads: int, scale: float) -> torch.Te
     b, nq, hd = query.shape
     d = hd // heads
 
-    def split(t):  # in bf16: the projection's bias pass writes it so, half the bytes moved
-        t = t.to(torch.bfloat16)
+    def by_head(t):  # in bf16: the projection's bias pass writes it so, half the bytes moved
+        t = t.to(torch.float32 if split else torch.bfloat16)
         return t.reshape(b, -1, heads, d).permute(0, 2, 1, 3).reshape(b * heads, -1, d)
 
-    out = _attend(query.reshape(b, nq, heads, d), split(key), split(value), scale)
+    out = _attend(query.reshape(b, nq, heads, d), by_head(key), by_head(value), scale, split)
     return out.reshape(b, nq, hd)
 
 
-def _attend(q4, key, value, scale: float) -> torch.Tensor:
+def _attend(q4, key, value, scale: float, split: bool) -> torch.Tensor:
     """q4 [batch, queries, heads, dim]; key, value [batch*heads, keys, dim]: [batch, queries,
-    heads, dim]."""
+    heads, dim]. With split, every operand as its hi and lo parts (amx_matmul.operand): q's and
+    k's along the head dim, v's along the keys."""
     F = torch.nn.functional
     d = q4.shape[-1]
     pad = padded(d) - d
     extra = -key.shape[1] % MULTIPLE  # padded keys, masked out in the first padded column
-    # every pad, column and pack below in bf16 (the values the kernel reads, half the bytes)
-    q = (q4 * (scale * LOG2_E)).to(torch.bfloat16)
-    key, value = key.to(torch.bfloat16), value.to(torch.bfloat16)
+    # every pad, column and pack below in bf16 (the values the kernel reads, half the bytes);
+    # split, in f32 until the parts are taken
+    dt = torch.float32 if split else torch.bfloat16
+    q = (q4 * (scale * LOG2_E)).to(dt)
+    key, value = key.to(dt), value.to(dt)
     if extra:
         q = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)
         # made in f32 and cast: a bf16 pad value would be a bf16 scalar in iree's VM
         column = F.pad(torch.zeros_like(key[..., :1], dtype=torch.float32), (0, 0, 0, extra),
-                       value=MASKED_OUT).to(torch.bfloat16)  # fmt: skip
+                       value=MASKED_OUT).to(dt)  # fmt: skip
         key = torch.cat([F.pad(key, (0, 0, 0, extra)), column], dim=-1)
         value = F.pad(value, (0, 0, 0, extra))
-    q = F.pad(q, (0, padded(d) - q.shape[-1]))
-    k = pack_b(F.pad(key, (0, padded(d) - key.shape[-1])))
-    v = pack_b(F.pad(value, (0, pad)).transpose(1, 2))
-    return _OP(q, k, v, d)
+    q = operand(F.pad(q, (0, padded(d) - q.shape[-1])), split)
+    k = pack_b(weight_operand(F.pad(key, (0, padded(d) - key.shape[-1])), split))
+    v = pack_b(weight_operand(F.pad(value, (0, pad)).transpose(1, 2), split))
+    return _OP(q, k, v, d, int(split))
 
 
 _OP = KernelOp("amx_attention", lambda: _make_op())
@@ -128,7 +136,8 @@ _TEMPLATE = (
     builtin.module {{
       func.func private @sdiree_amx_bf16_attention_workgroup(memref<bf16>, index, memref<bf16>,
           index, memref<bf16>, index, memref<f32>, index, index, index, index, index, index,
-          index, index, index) -> i32 attributes {{hal.import.static, llvm.bareptr = true}}
+          index, index, index, index) -> i32
+          attributes {{hal.import.static, llvm.bareptr = true}}
       func.func @{name}(%q: !stream.binding, %k: !stream.binding, %v: !stream.binding,
           %o: !stream.binding, %BH: index, %NQ: index, %NK: index, %D: index, %DV: index,
           %DO: index, %H: index) {{
@@ -139,16 +148,17 @@ _TEMPLATE = (
         %hk = arith.muli %BH, %NK : index
         %sq = arith.muli %hq, %D : index
         %sk = arith.muli %hk, %D : index
-        %sv = arith.muli %hk, %DV : index
+        %sv = arith.constant {sv} : index
+        %split = arith.constant {split} : index
         %so = arith.muli %hq, %DO : index
 """
     + buffer_views(
         ("q", "bf16", "sq"), ("k", "bf16", "sk"), ("v", "bf16", "sv"), ("o", "f32", "so")
     )
     + """        %r = func.call @sdiree_amx_bf16_attention_workgroup(%q_base, %q_off, %k_base,
-            %k_off, %v_base, %v_off, %o_base, %o_off, %NQ, %NK, %D, %DV, %DO, %H, %wq, %wh)
-            : (memref<bf16>, index, memref<bf16>, index, memref<bf16>, index, memref<f32>,
-            index, index, index, index, index, index, index, index, index) -> i32
+            %k_off, %v_base, %v_off, %o_base, %o_off, %NQ, %NK, %D, %DV, %DO, %H, %split, %wq,
+            %wh) : (memref<bf16>, index, memref<bf16>, index, memref<bf16>, index, memref<f32>,
+            index, index, index, index, index, index, index, index, index, index) -> i32
         return
       }}
     }}
@@ -183,30 +193,34 @@ def _make_op():
 
     @CustomOp.register(library=def_library("sdiree_amx_attention"))
     class amx_bf16_attention(CustomOp):
-        signature = "amx_bf16_attention(Tensor q, Tensor k, Tensor v, int d) -> (Tensor)"
+        signature = "amx_bf16_attention(Tensor q, Tensor k, Tensor v, int d, int split) -> (Tensor)"
 
         def select(self, ksel):
-            select_static(ksel, 3, 1, lambda s, d: ([*s[0][:3], d], torch.float32))
+            select_static(ksel, 3, 2, lambda s, d, _: ([*s[0][:3], d], torch.float32))
 
-        def eager_execute(self, q, k, v, d):
+        def eager_execute(self, q, k, v, d, split):
             b, nq, h, dp = q.shape
             heads = q.permute(0, 2, 1, 3).reshape(b * h, nq, dp)
-            scores = heads.float() @ unpack_b(k).float()  # in base-2 units
+            scores = product(heads, unpack_b(k), bool(split))  # in base-2 units
             p = torch.softmax(scores * math.log(2), dim=-1)
-            out = (p @ unpack_b(v).float())[..., :d]
+            if split:
+                p = operand(p, True)
+            out = product(p, unpack_b(v), bool(split))[..., :d]
             return out.reshape(b, h, nq, d).permute(0, 2, 1, 3).contiguous()
 
         def generate(self, ksel, kb):
             b, nq, h, dp = RankedTensorType(kb.arg_bindings[0].type).shape
             bh, kj, d2, _, _ = RankedTensorType(kb.arg_bindings[1].type).shape
             _, vj, nk2, _, _ = RankedTensorType(kb.arg_bindings[2].type).shape
-            d_out = ksel.arg_descs[3].v
+            d_out, split = ksel.arg_descs[3].v, ksel.arg_descs[4].v
             emit_call(
                 loader,
                 kb,
                 KERNEL,
-                f"sdiree_amx_attention_{b}x{nq}x{h}x{kj * 16}x{dp}x{d_out}",
+                f"sdiree_amx_attention_{b}x{nq}x{h}x{kj * 16}x{dp}x{d_out}s{split}",
                 3,
+                split=split,
+                sv=bh * vj * 16 * nk2 * 2,
                 block_q=QUERY_BLOCK,
                 b=b,
                 h=h,

@@ -41,10 +41,14 @@ from .amx_matmul import (
     KernelOp,
     buffer_views,
     emit_call,
+    is_split,
+    operand,
     pack_b,
+    product,
     select_static,
     template_loader,
     unpack_b,
+    weight_operand,
 )
 from .im2col import conv2d_as_matmul_nhwc, supported
 
@@ -78,7 +82,7 @@ def conv3x3_amx_nhwc(conv: torch.nn.Conv2d, xh: torch.Tensor) -> torch.Tensor:
     c_pad = -c % MULTIPLE
     positions, m, tail = padded_rows(n, h, w)
     xp = F.pad(xh, (0, c_pad, 1, 1, 1, 1)).reshape(positions, c + c_pad)
-    xp = F.pad(xp, (0, 0, 0, tail)).to(torch.bfloat16)
+    xp = operand(F.pad(xp, (0, 0, 0, tail)), is_split(conv))
     return conv3x3_amx_padded(conv, xp, n, h, w)
 
 
@@ -106,19 +110,20 @@ def conv3x3_amx_padded(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """conv on its input already padded for the kernel (xp [N·(H+2)·(W+2) + tail, C'] bf16, C'
-    the channels padded to the kernel's multiple: conv3x3_amx_nhwc's, or the GroupNorm kernel's
-    output, group_norm_kernel.py), plus add ([N or 1, O]: a resnet's time embedding) and
+    the channels padded to the kernel's multiple, twice that under `amx_operands: bf16x3`, the
+    hi parts then the lo ones: conv3x3_amx_nhwc's, or the GroupNorm kernel's output,
+    group_norm_kernel.py), plus add ([N or 1, O]: a resnet's time embedding) and
     residual ([N, H, W, O]) where given; channels-last output [N, H, W, O]. The kernel's
     epilogue writes only the real pixels, with the bias, add and residual added."""
-    o, row = conv.out_channels, w + 2
-    c_pad, o_pad = xp.shape[1] - conv.in_channels, -o % MULTIPLE
-    weight = F.pad(conv.weight, (0, 0, 0, 0, 0, c_pad, 0, o_pad))
+    o, row, split = conv.out_channels, w + 2, is_split(conv)
+    c_pad, o_pad = xp.shape[1] // (2 if split else 1) - conv.in_channels, -o % MULTIPLE
+    weight = weight_operand(F.pad(conv.weight, (0, 0, 0, 0, 0, c_pad, 0, o_pad)), split, dim=1)
     vec = conv.bias if conv.bias is not None else torch.zeros(o, dtype=conv.weight.dtype)
     vec = vec.float()[None] if add is None else vec.float() + add.float()
     vec = F.pad(vec, (0, o_pad))
     if residual is not None and not o_pad:
-        return _OUT_RES(xp, pack_taps(weight), vec, residual.float(), row, h, n)
-    y = _OUT(xp, pack_taps(weight), vec, row, h, n)
+        return _OUT_RES(xp, pack_taps(weight), vec, residual.float(), row, h, n, int(split))
+    y = _OUT(xp, pack_taps(weight), vec, row, h, n, int(split))
     y = y if not o_pad else y[..., :o]
     return y if residual is None else residual + y
 
@@ -139,20 +144,20 @@ def register() -> None:
     _OUT_RES.register()
 
 
-def _eager_out(a, packed, vec, res, row: int, h: int, images: int) -> torch.Tensor:
+def _eager_out(a, packed, vec, res, row: int, h: int, images: int, split: int) -> torch.Tensor:
     w = row - 2
-    y = _eager(a, packed, row)[: images * (h + 2) * row]
+    y = _eager(a, packed, row, bool(split))[: images * (h + 2) * row]
     y = y.reshape(images, h + 2, row, -1)[:, :h, :w] + vec[:, None, None, :]
     return y if res is None else y + res
 
 
-def _eager(a: torch.Tensor, packed: torch.Tensor, row: int) -> torch.Tensor:
+def _eager(a: torch.Tensor, packed: torch.Tensor, row: int, split: bool) -> torch.Tensor:
     m = a.shape[0] - 2 * row - 2
-    taps = unpack_b(packed).float()  # [9, C, O]
+    taps = unpack_b(packed)  # [9, C, O]
     out = 0
     for t in range(9):
         shift = (t // 3) * row + t % 3
-        out = out + a[shift : shift + m].float() @ taps[t]
+        out = out + product(a[shift : shift + m], taps[t], split)
     return out
 
 
@@ -162,7 +167,7 @@ _OUT_TEMPLATE = (
     + """    builtin.module {{
       func.func private @sdiree_amx_bf16_conv3x3_out_workgroup(memref<bf16>, index,
           memref<bf16>, index, memref<f32>, index, memref<f32>, index, memref<f32>, index, index,
-          index, index, index, index, index, index, index, index, index) -> i32
+          index, index, index, index, index, index, index, index, index, index) -> i32
           attributes {{hal.import.static, llvm.bareptr = true}}
       func.func @{name}(%a: !stream.binding, %b: !stream.binding, %add: !stream.binding,
           {res_arg}%c: !stream.binding, %M: index, %N: index, %K: index, %R: index, %A: index,
@@ -170,6 +175,7 @@ _OUT_TEMPLATE = (
         %c0 = arith.constant 0 : index
         %c9 = arith.constant 9 : index
         %has_res = arith.constant {has_res} : index
+        %split = arith.constant {split} : index
         %wn = stream.dispatch.workgroup.id[0] : index
         %wm = stream.dispatch.workgroup.id[1] : index
         %sa = arith.muli %A, %K : index
@@ -182,9 +188,9 @@ _OUT_TEMPLATE = (
     + buffer_views(("c", "f32", "SO"))
     + """        %r = func.call @sdiree_amx_bf16_conv3x3_out_workgroup(%a_base, %a_off, %b_base,
             %b_off, %add_base, %add_off, {res_base}, {res_off}, %c_base, %c_off, %M, %N, %K,
-            %R, %H, %I, %AR, %has_res, %wn, %wm) : (memref<bf16>, index, memref<bf16>, index,
-            memref<f32>, index, memref<f32>, index, memref<f32>, index, index, index, index,
-            index, index, index, index, index, index, index) -> i32
+            %R, %H, %I, %AR, %has_res, %split, %wn, %wm) : (memref<bf16>, index, memref<bf16>,
+            index, memref<f32>, index, memref<f32>, index, memref<f32>, index, index, index,
+            index, index, index, index, index, index, index, index, index) -> i32
         return
       }}
     }}
@@ -220,13 +226,13 @@ def _out_values(kb, ksel, has_res: bool) -> dict:
     _, j, k2 = RankedTensorType(kb.arg_bindings[1].type).shape[:3]
     add_rows = RankedTensorType(kb.arg_bindings[2].type).shape[0]
     first = 4 if has_res else 3
-    row, h, images = (ksel.arg_descs[i].v for i in range(first, first + 3))
+    row, h, images, split = (ksel.arg_descs[i].v for i in range(first, first + 4))
     n, m = j * 16, rows - 2 * row - 2
     res_type = f"tensor<{images}x{h}x{row - 2}x{n}xf32>"
     return dict(
         block_m=BLOCK_M, block_n=BLOCK_N, m=m, k=k, n=n, j=j, k2=k2, row=row, rows=rows, h=h,
         w=row - 2, images=images, add_rows=add_rows, so=images * h * (row - 2) * n,
-        has_res=int(has_res),
+        has_res=int(has_res), split=split,
         res_arg="%res: !stream.binding, " if has_res else "",
         res_view=_single_braces(buffer_views(("res", "f32", "SO"))) if has_res else "",
         res_base="%res_base" if has_res else "%add_base",
@@ -249,43 +255,43 @@ def _make_ops():
     loader = template_loader(_OUT_TEMPLATE)
     library = def_library("sdiree_amx_conv_out")
 
-    def shape(s, row, h, images):
+    def shape(s, row, h, images, split):
         return [images, h, row - 2, s[1][1] * 16]
 
     @CustomOp.register(library=library)
     class amx_bf16_conv3x3_out(CustomOp):
         signature = (
-            "amx_bf16_conv3x3_out(Tensor a, Tensor b, Tensor add, int row, int h, int images)"
-            " -> (Tensor)"
+            "amx_bf16_conv3x3_out(Tensor a, Tensor b, Tensor add, int row, int h, int images,"
+            " int split) -> (Tensor)"
         )
 
         def select(self, ksel):
-            select_static(ksel, 3, 3, lambda s, *v: (shape(s, *v), torch.float32))
+            select_static(ksel, 3, 4, lambda s, *v: (shape(s, *v), torch.float32))
 
-        def eager_execute(self, a, b, add, row, h, images):
-            return _eager_out(a, b, add, None, row, h, images)
+        def eager_execute(self, a, b, add, row, h, images, split):
+            return _eager_out(a, b, add, None, row, h, images, split)
 
         def generate(self, ksel, kb):
             v = _out_values(kb, ksel, False)
-            name = f"sdiree_amx_conv3x3o_{v['m']}x{v['k']}x{v['n']}r{v['row']}"
+            name = f"sdiree_amx_conv3x3o_{v['m']}x{v['k']}x{v['n']}r{v['row']}s{v['split']}"
             emit_call(loader, kb, KERNEL, name, 3, **v)
 
     @CustomOp.register(library=library)
     class amx_bf16_conv3x3_out_res(CustomOp):
         signature = (
             "amx_bf16_conv3x3_out_res(Tensor a, Tensor b, Tensor add, Tensor res, int row,"
-            " int h, int images) -> (Tensor)"
+            " int h, int images, int split) -> (Tensor)"
         )
 
         def select(self, ksel):
-            select_static(ksel, 4, 3, lambda s, *v: (shape(s, *v), torch.float32))
+            select_static(ksel, 4, 4, lambda s, *v: (shape(s, *v), torch.float32))
 
-        def eager_execute(self, a, b, add, res, row, h, images):
-            return _eager_out(a, b, add, res, row, h, images)
+        def eager_execute(self, a, b, add, res, row, h, images, split):
+            return _eager_out(a, b, add, res, row, h, images, split)
 
         def generate(self, ksel, kb):
             v = _out_values(kb, ksel, True)
-            name = f"sdiree_amx_conv3x3or_{v['m']}x{v['k']}x{v['n']}r{v['row']}"
+            name = f"sdiree_amx_conv3x3or_{v['m']}x{v['k']}x{v['n']}r{v['row']}s{v['split']}"
             emit_call(loader, kb, KERNEL, name, 4, **v)
 
     return amx_bf16_conv3x3_out, amx_bf16_conv3x3_out_res

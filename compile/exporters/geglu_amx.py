@@ -23,10 +23,13 @@ from .amx_matmul import (
     KernelOp,
     buffer_views,
     emit_call,
+    operand,
     pack_b,
+    product,
     select_static,
     template_loader,
     unpack_b,
+    weight_operand,
 )
 
 # one workgroup's packed columns: 32 outputs' value and gate
@@ -40,13 +43,17 @@ def interleave(t: torch.Tensor, inner: int) -> torch.Tensor:
     return torch.stack([v, g], dim=1).reshape(t.shape)
 
 
-def amx_geglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def amx_geglu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, split: bool = False
+) -> torch.Tensor:
     """x [M, K] (cast to bf16) through a GEGLU projection weight [2 * inner, K] and bias: [M,
-    inner] bf16 (`register()` first, outside a trace)."""
+    inner] bf16, or with split (`amx_operands: bf16x3`) [M, 2 * inner], its hi and lo parts
+    (`register()` first, outside a trace)."""
     inner = weight.shape[0] // 2
     if bias is None:
         bias = torch.zeros(weight.shape[0], dtype=torch.float32)
-    return _OP(x.to(torch.bfloat16), pack_b(interleave(weight, inner)), interleave(bias, inner))
+    packed = pack_b(weight_operand(interleave(weight, inner), split))
+    return _OP(operand(x, split), packed, interleave(bias, inner), int(split))
 
 
 _OP = KernelOp("amx_geglu", lambda: _make_op())
@@ -58,26 +65,28 @@ _TEMPLATE = (
     + GRID_MN
     + """    builtin.module {{
       func.func private @sdiree_amx_bf16_geglu_workgroup(memref<bf16>, index, memref<bf16>,
-          index, memref<f32>, index, memref<bf16>, index, index, index, index, index, index)
-          -> i32 attributes {{hal.import.static, llvm.bareptr = true}}
+          index, memref<f32>, index, memref<bf16>, index, index, index, index, index, index,
+          index) -> i32 attributes {{hal.import.static, llvm.bareptr = true}}
       func.func @{name}(%a: !stream.binding, %b: !stream.binding, %bias: !stream.binding,
           %o: !stream.binding, %M: index, %N: index, %K: index) {{
         %c0 = arith.constant 0 : index
+        %c1 = arith.constant 1 : index
         %c2 = arith.constant 2 : index
         %wn = stream.dispatch.workgroup.id[0] : index
         %wm = stream.dispatch.workgroup.id[1] : index
         %sa = arith.muli %M, %K : index
         %sb = arith.muli %N, %K : index
         %mn = arith.muli %M, %N : index
-        %so = arith.divui %mn, %c2 : index
+        %so = arith.divui %mn, {out_div} : index
 """
     + buffer_views(
         ("a", "bf16", "sa"), ("b", "bf16", "sb"), ("bias", "f32", "N"), ("o", "bf16", "so")
     )
-    + """        %r = func.call @sdiree_amx_bf16_geglu_workgroup(%a_base, %a_off, %b_base, %b_off,
-            %bias_base, %bias_off, %o_base, %o_off, %M, %N, %K, %wn, %wm) : (memref<bf16>, index,
-            memref<bf16>, index, memref<f32>, index, memref<bf16>, index, index, index, index,
-            index, index) -> i32
+    + """        %split = arith.constant {split} : index
+        %r = func.call @sdiree_amx_bf16_geglu_workgroup(%a_base, %a_off, %b_base, %b_off,
+            %bias_base, %bias_off, %o_base, %o_off, %M, %N, %K, %split, %wn, %wm) : (memref<bf16>,
+            index, memref<bf16>, index, memref<f32>, index, memref<bf16>, index, index, index,
+            index, index, index, index) -> i32
         return
       }}
     }}
@@ -97,12 +106,12 @@ _TEMPLATE = (
 )
 
 
-def _eager(a: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    y = a.float() @ unpack_b(packed).float() + bias  # interleaved columns
+def _eager(a: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, split: int) -> torch.Tensor:
+    y = product(a, unpack_b(packed), bool(split)) + bias  # interleaved columns
     m, n = y.shape
     y = y.reshape(m, n // BLOCK_N, 2, MULTIPLE)
     value, gate = y[:, :, 0].reshape(m, n // 2), y[:, :, 1].reshape(m, n // 2)
-    return (value * torch.nn.functional.gelu(gate)).to(torch.bfloat16)
+    return operand(value * torch.nn.functional.gelu(gate), bool(split))
 
 
 def _make_op():
@@ -113,29 +122,37 @@ def _make_op():
 
     @CustomOp.register(library=def_library("sdiree_amx_geglu"))
     class amx_bf16_geglu(CustomOp):
-        signature = "amx_bf16_geglu(Tensor a, Tensor b, Tensor bias) -> (Tensor)"
+        signature = "amx_bf16_geglu(Tensor a, Tensor b, Tensor bias, int split) -> (Tensor)"
 
         def select(self, ksel):
-            select_static(ksel, 3, 0, lambda s: ([s[0][0], s[1][0] * 8], torch.bfloat16))
+            select_static(
+                ksel,
+                3,
+                1,
+                lambda s, split: ([s[0][0], s[1][0] * (16 if split else 8)], torch.bfloat16),
+            )
 
-        def eager_execute(self, a, b, bias):
-            return _eager(a, b, bias)
+        def eager_execute(self, a, b, bias, split):
+            return _eager(a, b, bias, split)
 
         def generate(self, ksel, kb):
             m, k = RankedTensorType(kb.arg_bindings[0].type).shape
             j, k2 = RankedTensorType(kb.arg_bindings[1].type).shape[:2]
+            split = ksel.arg_descs[3].v
             emit_call(
                 loader,
                 kb,
                 KERNEL,
-                f"sdiree_amx_geglu_{m}x{k}x{j * 16}",
+                f"sdiree_amx_geglu_{m}x{k}x{j * 16}{'s' if split else ''}",
                 3,
+                split=split,
+                out_div="%c1" if split else "%c2",
                 block_m=BLOCK_M,
                 block_n=BLOCK_N,
                 m=m,
                 k=k,
                 n=j * 16,
-                inner=j * 8,
+                inner=j * (16 if split else 8),
                 j=j,
                 k2=k2,
             )

@@ -28,6 +28,9 @@ from .amx_matmul import (
     KernelOp,
     buffer_views,
     emit_call,
+    from_operand,
+    is_split,
+    operand,
     select_static,
     template_loader,
 )
@@ -66,13 +69,14 @@ def fits(norm, xh: torch.Tensor) -> bool:
 
 def norm_bf16(norm, xh: torch.Tensor, silu: bool = False, pad: int = 0, tail: int = 0):
     """norm (then SiLU) of xh [N, H, W, C] on the kernels, bf16: [N, H, W, C] (pad 0), or with
-    pad 1 the 3x3 conv kernel's input, [N·(H+2)·(W+2) + tail, C] zero-padded."""
+    pad 1 the 3x3 conv kernel's input, [N·(H+2)·(W+2) + tail, C] zero-padded; for a norm marked
+    for `amx_operands: bf16x3`, 2C channels, the hi parts then the lo ones."""
     n, h, w, c = xh.shape
     x = xh.float()
     rb = rows_per_block(h, w)
     part = _STATS(x.reshape(n, h * w, c), rb * w)  # [N, blocks, 2, C]
     ab = scale_shift(norm, part.sum(dim=1), x[:, 0, 0, :], h * w)
-    return _APPLY(x, ab, rb, pad, tail, int(silu))
+    return _APPLY(x, ab, rb, pad, tail, int(silu), int(is_split(norm)))
 
 
 def scale_shift(norm, sums: torch.Tensor, ref: torch.Tensor, pixels: int) -> torch.Tensor:
@@ -113,7 +117,7 @@ def norm_act_conv(norm, act, conv_mod, xh: torch.Tensor, add=None, residual=None
         xp = norm_bf16(norm, xh, silu, 1, tail)
         return conv3x3_amx_padded(conv_mod, xp, n, h, w, add, residual)
     # another lowering (Winograd below the conv kernel's width) takes the input's dtype
-    y = conv(conv_mod, norm_bf16(norm, xh, silu).to(xh.dtype))
+    y = conv(conv_mod, from_operand(norm_bf16(norm, xh, silu), is_split(norm)).to(xh.dtype))
     return with_added(y, add, residual)
 
 
@@ -133,15 +137,14 @@ def _eager_stats(x: torch.Tensor, pb: int) -> torch.Tensor:
     return torch.stack([d.sum(2), (d * d).sum(2)], dim=2).float()
 
 
-def _eager_apply(x, ab, rb: int, pad: int, tail: int, silu: int) -> torch.Tensor:
-    n, h, w, c = x.shape
+def _eager_apply(x, ab, rb: int, pad: int, tail: int, silu: int, split: int) -> torch.Tensor:
     y = x * ab[:, None, None, 0] + ab[:, None, None, 1]
     if silu:
         y = torch.nn.functional.silu(y)
-    y = y.to(torch.bfloat16)
+    y = operand(y, bool(split))
     if not pad:
         return y
-    y = torch.nn.functional.pad(y, (0, 0, 1, 1, 1, 1)).reshape(-1, c)
+    y = torch.nn.functional.pad(y, (0, 0, 1, 1, 1, 1)).reshape(-1, y.shape[-1])
     return torch.nn.functional.pad(y, (0, 0, 0, tail))
 
 
@@ -201,7 +204,7 @@ _APPLY_TEMPLATE = (
     + """    builtin.module {{
       func.func private @sdiree_group_norm_apply_workgroup(memref<f32>, index, memref<f32>,
           index, memref<bf16>, index, index, index, index, index, index, index, index, index,
-          index, index) -> i32 attributes {{hal.import.static, llvm.bareptr = true}}
+          index, index, index) -> i32 attributes {{hal.import.static, llvm.bareptr = true}}
       func.func @{name}(%x: !stream.binding, %ab: !stream.binding, %o: !stream.binding,
           %N: index, %H: index, %W: index, %C: index, %RB: index, %PAD: index, %TAIL: index,
           %SILU: index, %SX: index, %SO: index) {{
@@ -211,12 +214,13 @@ _APPLY_TEMPLATE = (
         %wn = stream.dispatch.workgroup.id[1] : index
         %n2 = arith.muli %N, %c2 : index
         %sab = arith.muli %n2, %C : index
+        %split = arith.constant {split} : index
 """
     + buffer_views(("x", "f32", "SX"), ("ab", "f32", "sab"), ("o", "bf16", "SO"))
     + """        %r = func.call @sdiree_group_norm_apply_workgroup(%x_base, %x_off, %ab_base,
-            %ab_off, %o_base, %o_off, %N, %H, %W, %C, %RB, %PAD, %TAIL, %SILU, %wb, %wn)
+            %ab_off, %o_base, %o_off, %N, %H, %W, %C, %RB, %PAD, %TAIL, %SILU, %split, %wb, %wn)
             : (memref<f32>, index, memref<f32>, index, memref<bf16>, index, index, index, index,
-            index, index, index, index, index, index, index) -> i32
+            index, index, index, index, index, index, index, index) -> i32
         return
       }}
     }}
@@ -245,8 +249,9 @@ _APPLY_TEMPLATE = (
 )
 
 
-def _apply_shape(s, rb: int, pad: int, tail: int, silu: int) -> list[int]:
+def _apply_shape(s, rb: int, pad: int, tail: int, silu: int, split: int) -> list[int]:
     n, h, w, c = s
+    c = 2 * c if split else c
     if not pad:
         return [n, h, w, c]
     return [n * (h + 2) * (w + 2) + tail, c]
@@ -292,24 +297,25 @@ def _make_ops():
     @CustomOp.register(library=library)
     class group_norm_apply(CustomOp):
         signature = (
-            "group_norm_apply(Tensor x, Tensor ab, int rb, int pad, int tail, int silu) -> (Tensor)"
+            "group_norm_apply(Tensor x, Tensor ab, int rb, int pad, int tail, int silu,"
+            " int split) -> (Tensor)"
         )
 
         def select(self, ksel):
-            select_static(ksel, 2, 4, lambda s, *v: (_apply_shape(s[0], *v), torch.bfloat16))
+            select_static(ksel, 2, 5, lambda s, *v: (_apply_shape(s[0], *v), torch.bfloat16))
 
-        def eager_execute(self, x, ab, rb, pad, tail, silu):
-            return _eager_apply(x, ab, rb, pad, tail, silu)
+        def eager_execute(self, x, ab, rb, pad, tail, silu, split):
+            return _eager_apply(x, ab, rb, pad, tail, silu, split)
 
         def generate(self, ksel, kb):
             n, h, w, c = RankedTensorType(kb.arg_bindings[0].type).shape
-            rb, pad, tail, silu = (ksel.arg_descs[i].v for i in range(2, 6))
-            out = _apply_shape((n, h, w, c), rb, pad, tail, silu)
+            rb, pad, tail, silu, split = (ksel.arg_descs[i].v for i in range(2, 7))
+            out = _apply_shape((n, h, w, c), rb, pad, tail, silu, split)
             emit_call(
                 apply_loader,
                 kb,
                 KERNEL,
-                f"sdiree_group_norm_apply_{n}x{h}x{w}x{c}p{pad}s{silu}",
+                f"sdiree_group_norm_apply_{n}x{h}x{w}x{c}p{pad}s{silu}x{split}",
                 2,
                 n=n,
                 h=h,
@@ -319,6 +325,7 @@ def _make_ops():
                 pad=pad,
                 tail=tail,
                 silu=silu,
+                split=split,
                 sx=n * h * w * c,
                 so=out[0] * out[1] * (1 if pad else out[2] * out[3]),
                 nb=-(-h // rb),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .amx_matmul import amx_matmul, fits, pack_b
+from .amx_matmul import amx_matmul, fits, from_operand, is_split, operand, pack_b, weight_operand
 
 
 def conv2d_as_matmul(conv: torch.nn.Conv2d, x: torch.Tensor, matmul: str = "iree") -> torch.Tensor:
@@ -19,9 +19,19 @@ def conv2d_as_matmul(conv: torch.nn.Conv2d, x: torch.Tensor, matmul: str = "iree
 def conv2d_as_matmul_nhwc(
     conv: torch.nn.Conv2d, xh: torch.Tensor, matmul: str = "iree"
 ) -> torch.Tensor:
-    """The same on a channels-last input [N, H, W, C]; channels-last output [N, OH, OW, O]."""
-    n, h, w, c = xh.shape
+    """The same on a channels-last input [N, H, W, C]; channels-last output [N, OH, OW, O].
+    Under `amx_operands: bf16x3` a bf16 input is an operand's hi and lo parts (a norm kernel's
+    result): a 1x1 conv on the AMX kernel takes it as it is, any other conv their sum."""
     o, _, kh, kw = conv.weight.shape
+    split = is_split(conv)
+    if split and xh.dtype == torch.bfloat16:
+        n, h, w, c2 = xh.shape
+        pointwise = (
+            (kh, kw) == (1, 1) and tuple(conv.stride) == (1, 1) and conv.padding in ((0, 0), 0)
+        )
+        if not (pointwise and matmul == "amx" and fits(n * h * w, o, c2 // 2)):
+            xh = from_operand(xh, True)
+    n, h, w, c = xh.shape
     sh, sw = conv.stride
     ph, pw = conv.padding
     oh = (h + 2 * ph - kh) // sh + 1
@@ -35,9 +45,10 @@ def conv2d_as_matmul_nhwc(
     ]
     cols = torch.cat(windows, dim=-1) if len(windows) > 1 else windows[0]
     cols = cols.reshape(n * oh * ow, kh * kw * c)
+    c = c // 2 if cols.dtype == torch.bfloat16 and split else c  # the parts' real channels
     if matmul == "amx" and fits(n * oh * ow, o, kh * kw * c):
         weight = conv.weight.permute(0, 2, 3, 1).reshape(o, kh * kw * c)
-        out = amx_matmul(cols.to(torch.bfloat16), pack_b(weight))
+        out = amx_matmul(operand(cols, split), pack_b(weight_operand(weight, split)), split)
     else:
         out = torch.mm(
             cols.to(conv.weight.dtype), conv.weight.permute(2, 3, 1, 0).reshape(kh * kw * c, o)

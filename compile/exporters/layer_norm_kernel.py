@@ -23,6 +23,8 @@ from .amx_matmul import (
     KernelOp,
     buffer_views,
     emit_call,
+    is_split,
+    operand,
     select_static,
     template_loader,
 )
@@ -60,26 +62,29 @@ def fits(norm: torch.nn.LayerNorm) -> bool:
 
 
 def layer_norm_forward(self: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    """self(x) in bf16, on the kernel where x's rows are static."""
-    c = x.shape[-1]
+    """self(x) in bf16 (under `amx_operands: bf16x3` its hi and lo parts, amx_matmul.operand),
+    on the kernel where x's rows are static."""
+    c, split = x.shape[-1], is_split(self)
     rows = x.numel() // c if all(isinstance(d, int) for d in x.shape) else None
     if rows is None:
-        return torch.nn.functional.layer_norm(
+        y = torch.nn.functional.layer_norm(
             x.float(), self.normalized_shape, self.weight.float(), self.bias.float(), self.eps
-        ).to(torch.bfloat16)
+        )
+        return operand(y, split)
     gb = torch.stack([self.weight.float(), self.bias.float()])
     eps_bits = struct.unpack("<I", struct.pack("<f", self.eps))[0]
-    return _OP(x.float().reshape(rows, c), gb, eps_bits).reshape(x.shape)
+    y = _OP(x.float().reshape(rows, c), gb, eps_bits, int(split))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 _OP = KernelOp("layer_norm", lambda: _make_op())
 register = _OP.register
 
 
-def _eager(x: torch.Tensor, gb: torch.Tensor, eps_bits: int) -> torch.Tensor:
+def _eager(x: torch.Tensor, gb: torch.Tensor, eps_bits: int, split: int) -> torch.Tensor:
     eps = struct.unpack("<f", struct.pack("<I", eps_bits))[0]
     y = torch.nn.functional.layer_norm(x, x.shape[-1:], gb[0], gb[1], eps)
-    return y.to(torch.bfloat16)
+    return operand(y, bool(split))
 
 
 _TEMPLATE = (
@@ -92,7 +97,7 @@ _TEMPLATE = (
     }}
     builtin.module {{
       func.func private @sdiree_layer_norm_workgroup(memref<f32>, index, memref<f32>, index,
-          memref<bf16>, index, index, index, index, index, index) -> i32
+          memref<bf16>, index, index, index, index, index, index, index) -> i32
           attributes {{hal.import.static, llvm.bareptr = true}}
       func.func @{name}(%x: !stream.binding, %gb: !stream.binding, %o: !stream.binding,
           %M: index, %C: index, %RB: index, %EPS: index) {{
@@ -101,25 +106,27 @@ _TEMPLATE = (
         %wm = stream.dispatch.workgroup.id[0] : index
         %sx = arith.muli %M, %C : index
         %sg = arith.muli %C, %c2 : index
+        %split = arith.constant {split} : index
+        %so = arith.constant {so} : index
 """
-    + buffer_views(("x", "f32", "sx"), ("gb", "f32", "sg"), ("o", "bf16", "sx"))
+    + buffer_views(("x", "f32", "sx"), ("gb", "f32", "sg"), ("o", "bf16", "so"))
     + """        %r = func.call @sdiree_layer_norm_workgroup(%x_base, %x_off, %gb_base, %gb_off,
-            %o_base, %o_off, %M, %C, %RB, %EPS, %wm) : (memref<f32>, index, memref<f32>, index,
-            memref<bf16>, index, index, index, index, index, index) -> i32
+            %o_base, %o_off, %M, %C, %RB, %EPS, %split, %wm) : (memref<f32>, index, memref<f32>,
+            index, memref<bf16>, index, index, index, index, index, index, index) -> i32
         return
       }}
     }}
   }}
   util.func private @{name}(%x: tensor<{m}x{c}xf32>, %gb: tensor<2x{c}xf32>)
-      -> tensor<{m}x{c}xbf16> {{
+      -> tensor<{m}x{oc}xbf16> {{
     %m = arith.constant {m} : index
     %c = arith.constant {c} : index
     %rb = arith.constant {block} : index
     %eps = arith.constant {eps} : index
     %0 = flow.dispatch @{name}_exe::@{name}[%m](%x, %gb, %m, %c, %rb, %eps)
         : (tensor<{m}x{c}xf32>, tensor<2x{c}xf32>, index, index, index, index)
-        -> tensor<{m}x{c}xbf16>
-    util.return %0 : tensor<{m}x{c}xbf16>
+        -> tensor<{m}x{oc}xbf16>
+    util.return %0 : tensor<{m}x{oc}xbf16>
   }}
 }}
 """
@@ -135,25 +142,30 @@ def _make_op():
 
     @CustomOp.register(library=def_library("sdiree_layer_norm"))
     class layer_norm_bf16(CustomOp):
-        signature = "layer_norm_bf16(Tensor x, Tensor gb, int eps_bits) -> (Tensor)"
+        signature = "layer_norm_bf16(Tensor x, Tensor gb, int eps_bits, int split) -> (Tensor)"
 
         def select(self, ksel):
-            select_static(ksel, 2, 1, lambda s, eps: (s[0], torch.bfloat16))
+            select_static(
+                ksel, 2, 2, lambda s, eps, split: ([s[0][0], s[0][1] * (1 + split)], torch.bfloat16)
+            )
 
-        def eager_execute(self, x, gb, eps_bits):
-            return _eager(x, gb, eps_bits)
+        def eager_execute(self, x, gb, eps_bits, split):
+            return _eager(x, gb, eps_bits, split)
 
         def generate(self, ksel, kb):
             m, c = RankedTensorType(kb.arg_bindings[0].type).shape
-            eps = ksel.arg_descs[2].v
+            eps, split = ksel.arg_descs[2].v, ksel.arg_descs[3].v
             emit_call(
                 loader,
                 kb,
                 KERNEL,
-                f"sdiree_layer_norm_{m}x{c}",
+                f"sdiree_layer_norm_{m}x{c}s{split}",
                 2,
                 m=m,
                 c=c,
+                oc=c * (1 + split),
+                so=m * c * (1 + split),
+                split=split,
                 block=BLOCK_ROWS,
                 eps=eps,
             )

@@ -19,7 +19,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .amx_matmul import MULTIPLE, amx_matmul, fits, pack_b, register
+from .amx_matmul import (
+    MULTIPLE,
+    amx_matmul,
+    fits,
+    from_operand,
+    is_split,
+    operand,
+    pack_b,
+    register,
+    weight_operand,
+)
 from .geglu_amx import amx_geglu
 from .geglu_amx import register as register_geglu
 
@@ -42,11 +52,12 @@ def _amx_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # tokens, the cross-attention keys and values: 154 -> 160; iree's bf16 matmul took 2.3 ms
     # for SD 1.5's 1280-wide ones)
     pad = -rows % MULTIPLE if isinstance(rows, int) and rows >= MULTIPLE else 0
+    split = is_split(self)
     if not fits(rows + pad, self.out_features, self.in_features):
-        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+        return cast_forward(self, x)
     if pad:
         x2 = F.pad(x2, (0, 0, 0, pad))
-    y = amx_matmul(x2.to(torch.bfloat16), pack_b(self.weight))
+    y = amx_matmul(operand(x2, split), pack_b(weight_operand(self.weight, split)), split)
     if pad:
         y = y[:rows]
     if self.bias is not None:
@@ -62,7 +73,10 @@ def casts_input(module: torch.nn.Module) -> bool:
 
 
 def cast_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """The Linear's own forward on x cast to its weight's dtype (a GEGLU's bf16 result)."""
+    """The Linear's own forward on x cast to its weight's dtype (a GEGLU's bf16 result: with
+    `amx_operands: bf16x3` its hi and lo parts summed)."""
+    if x.dtype == torch.bfloat16:
+        x = from_operand(x, is_split(self))
     return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
 
@@ -90,4 +104,5 @@ def geglu_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return value * F.gelu(gate)
     # bf16, as the kernel writes it: the next linear takes it as is (cast to float here, iree
     # kept the cast and the linear's cast back as a pass of their own: 44 ms of SD 1.5's call)
-    return amx_geglu(x2, proj.weight, proj.bias).reshape(*x.shape[:-1], inner)
+    y = amx_geglu(x2, proj.weight, proj.bias, is_split(self))
+    return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from .amx_matmul import from_operand, is_split
 from .channels_last import (
     conv,
     downsample,
@@ -95,9 +96,9 @@ def _transformer(t, xh: torch.Tensor, context, halves: _Halves) -> torch.Tensor:
     n, h, w, c = xh.shape
     x = norm_bf16(t.norm, xh)
     if x.dtype != xh.dtype and not _takes_bf16(t.proj_in):
-        x = x.to(xh.dtype)
+        x = from_operand(x, is_split(t.norm)).to(xh.dtype)
     if t.use_linear_projection:
-        x = t.proj_in(x.reshape(n, h * w, c))
+        x = t.proj_in(x.reshape(n, h * w, x.shape[-1]))
     else:
         x = conv(t.proj_in, x)
         x = x.reshape(n, h * w, x.shape[-1])

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from sdiree.runtime.weights.winograd import WINOGRAD, WINOGRAD_PARAM
 
 from ..placeholders import is_placeholder, mark, placeholder
-from .amx_matmul import amx_matmul, fits, pack_b
+from .amx_matmul import amx_matmul, fits, is_split, operand, pack_b, weight_operand
 from .im2col import conv2d_as_matmul_nhwc, supported
 
 # The Winograd choices and their output tile size m of F(m x m, 3x3).
@@ -103,6 +103,8 @@ def conv2d_winograd_nhwc(
     xp = F.pad(xh, (0, 0, 1, 1, 1, 1))  # [N, H+2, W+2, C]
     th, tw = h // m, w // m
     shape = (n, th, tw, u.shape[-1])
+    if matmul == "amx" and is_split(conv):
+        matmul = SPLIT_AMX
     if split_min_side is not None and min(h, w) >= split_min_side:
         prods = _winograd_products(xp, u, m, th, tw, matmul)
         if output == "interleaved" and m == 2:
@@ -160,12 +162,18 @@ def _winograd_products(
     return prods
 
 
+# `matmul` of the products of a conv marked for `amx_operands: bf16x3` (amx_matmul.set_split)
+SPLIT_AMX = "amx_split"
+
+
 def _product(v: torch.Tensor, u: torch.Tensor, matmul: str) -> torch.Tensor:
     """V_rs @ U_rs ([M, C] @ [C, O], or a batch of them); under `amx`, on sdiree's AMX kernel
     where it fits (bf16 operands, U_rs packed for the kernel: a constant expression of the
     transformed weight, which the parameter encoder computes at compile)."""
-    if matmul == "amx" and fits(v.shape[-2], u.shape[-1], u.shape[-2]):
-        return amx_matmul(v.to(torch.bfloat16), pack_b(u.transpose(-1, -2)))
+    if matmul in ("amx", SPLIT_AMX) and fits(v.shape[-2], u.shape[-1], u.shape[-2]):
+        split = matmul == SPLIT_AMX
+        packed = pack_b(weight_operand(u.transpose(-1, -2), split))
+        return amx_matmul(operand(v, split), packed, split)
     return torch.mm(v, u) if v.dim() == 2 else torch.bmm(v, u)
 
 

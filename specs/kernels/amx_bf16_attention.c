@@ -23,8 +23,13 @@
    unbiased and average out over a row), 16 lanes a row until the end. A block's row maximum is
    reduced only when a score passes the row's reference by more than SLACK.
 
+   With `split` 1 (`amx_operands: bf16x3`) every operand is an f32 value as two bf16 parts
+   (amx_support.h, sdiree_dp3_32x32): q's rows per head [hi D/2 | lo D/2], k packing [hi | lo]
+   along D, v's strips packing the values' hi parts for all NK keys, then their lo parts; P is
+   taken to f32's precision (sdiree_exp2) and split likewise.
+
    Built freestanding like amx_bf16_matmul.c (compile/kernel_objects.py). Its stack frame is
-   ~45 KB (iree's task workers have 128 KB). */
+   ~53 KB (iree's task workers have 128 KB). */
 #include "amx_support.h"
 
 #define QB 32        /* queries a workgroup */
@@ -35,16 +40,18 @@
 int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, const uint16_t *k,
                                         size_t k_offset, const uint16_t *v, size_t v_offset,
                                         float *o, size_t o_offset, size_t NQ, size_t NK, size_t D,
-                                        size_t DV, size_t DO, size_t H, size_t wg_q, size_t wg_h) {
+                                        size_t DV, size_t DO, size_t H, size_t split,
+                                        size_t wg_q, size_t wg_h) {
   sdiree_request_amx();
   const size_t q0 = wg_q * QB, first = (wg_h / H * NQ + q0) * H + wg_h % H; /* its first row */
   const uint8_t *qh = (const uint8_t *)(q + q_offset + first * D);
   const uint8_t *kh = (const uint8_t *)(k + k_offset + wg_h * NK * D);
-  const uint8_t *vh = (const uint8_t *)(v + v_offset + wg_h * NK * DV);
+  const size_t vk = split ? 2 * NK : NK; /* a value strip's keys: with split, hi's then lo's */
+  const uint8_t *vh = (const uint8_t *)(v + v_offset + wg_h * vk * DV);
   float *oh = o + o_offset + first * DO;
 
   float s[QB][KB] __attribute__((aligned(64)));
-  uint16_t p[QB][KB] __attribute__((aligned(64)));
+  uint16_t p[2][QB][KB] __attribute__((aligned(64))); /* bf16 P, and with split its lo parts */
   float acc[QB][DV_MAX] __attribute__((aligned(64)));
   float m[QB];
   float l[QB][16] __attribute__((aligned(64))); /* each row's sum, 16 lanes: reduced at the end */
@@ -56,14 +63,14 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
 
   sdiree_configure_tiles();
 
-  const size_t ldq = H * D * 2, k_strip = D * 32, v_strip = NK * 32; /* bytes */
+  const size_t ldq = H * D * 2, k_strip = D * 32, v_strip = vk * 32; /* bytes */
   for (size_t kb = 0; kb < NK; kb += KB) {
     const size_t len = NK - kb < KB ? NK - kb : KB;
     /* s = q k^T for keys [kb, kb + len), 32 x 32 at a time */
     for (size_t n = 0; n < len; n += 32) {
       const uint8_t *b0 = kh + ((kb + n) / 16) * k_strip;
       sdiree_zero_32x32();
-      sdiree_dp_32x32(qh, ldq, b0, b0 + k_strip, D);
+      sdiree_dp_any_32x32(qh, ldq, b0, b0 + k_strip, D, (int)split);
       sdiree_store_32x32(&s[0][n], KB * 4);
     }
     /* the online softmax, a phase at a time over the 32 rows (each phase's rows independent, so
@@ -98,13 +105,23 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
           _mm512_store_ps(&acc[r][c], _mm512_mul_ps(_mm512_load_ps(&acc[r][c]), av));
       }
     }
-    for (int r = 0; r < QB; ++r) {
+    for (int r = 0; r < QB && split; ++r) { /* P to f32's precision, as hi and lo parts */
+      const __m512 mv = _mm512_set1_ps(m[r]);
+      __m512 sum = _mm512_setzero_ps();
+      for (size_t c = 0; c < len; c += 16) {
+        const __m512 e = sdiree_exp2(_mm512_sub_ps(_mm512_load_ps(&s[r][c]), mv));
+        sdiree_store_bf16x16(&p[0][r][c], e, QB * KB);
+        sum = _mm512_add_ps(sum, e);
+      }
+      _mm512_store_ps(l[r], _mm512_add_ps(_mm512_load_ps(l[r]), sum));
+    }
+    for (int r = 0; r < QB && !split; ++r) {
       const __m512 mv = _mm512_set1_ps(m[r]);
       __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
       for (size_t c = 0; c < len; c += 32) {
         const __m512 e0 = sdiree_exp2_coarse(_mm512_sub_ps(_mm512_load_ps(&s[r][c]), mv));
         const __m512 e1 = sdiree_exp2_coarse(_mm512_sub_ps(_mm512_load_ps(&s[r][c + 16]), mv));
-        _mm512_store_si512((void *)&p[r][c], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        _mm512_store_si512((void *)&p[0][r][c], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
         sum0 = _mm512_add_ps(sum0, e0);
         sum1 = _mm512_add_ps(sum1, e1);
       }
@@ -114,7 +131,10 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
     for (size_t n = 0; n < DV; n += 32) {
       const uint8_t *b0 = vh + (n / 16) * v_strip + kb * 32;
       sdiree_load_32x32(&acc[0][n], DV_MAX * 4);
-      sdiree_dp_32x32(&p[0][0], KB * 2, b0, b0 + v_strip, len);
+      if (split)
+        sdiree_dp3_32x32(&p[0][0][0], QB * KB * 2, KB * 2, b0, b0 + v_strip, NK * 32, len);
+      else
+        sdiree_dp_32x32(&p[0][0][0], KB * 2, b0, b0 + v_strip, len);
       sdiree_store_32x32(&acc[0][n], DV_MAX * 4);
     }
   }

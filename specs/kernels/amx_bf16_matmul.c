@@ -16,6 +16,10 @@
    MB and NB come with the call (compile/exporters/amx_matmul.py picks them by shape), the
    others' are SDIREE_AMX_MB x SDIREE_AMX_NB.
 
+   With `split` 1 (the exports' `amx_operands: bf16x3`), A's rows are [hi | lo] (K / 2 each) and
+   B packs [hi | lo] along K: each operand an f32 value as the sum of two bf16 parts, three
+   products each (amx_support.h, sdiree_dp3_32x32), fp32-class results for AMX's rate / 3.
+
    Also here: the GEGLU form (sdiree_amx_bf16_geglu_workgroup, below), a matmul whose epilogue
    adds the bias and applies GEGLU's gate before anything leaves the workgroup. */
 #include "amx_support.h"
@@ -67,7 +71,7 @@ static inline void sdiree_conv_store(const sdiree_conv_epilogue *e, float blk[32
 static inline void sdiree_taps_workgroup(const uint16_t *a, const uint16_t *b, float *c, size_t M,
                                          size_t N, size_t K, const size_t *shifts, size_t taps,
                                          const sdiree_conv_epilogue *ep, size_t MB, size_t NB,
-                                         size_t wg_n, size_t wg_m) {
+                                         int split, size_t wg_n, size_t wg_m) {
   sdiree_configure_tiles();
   float blk[32][32] __attribute__((aligned(64)));
   const size_t m_begin = wg_m * MB, n_begin = wg_n * NB;
@@ -84,7 +88,7 @@ static inline void sdiree_taps_workgroup(const uint16_t *a, const uint16_t *b, f
     sdiree_zero_32x32();
     for (size_t t = 0; t < taps; ++t) {
       const uint8_t *b0 = (const uint8_t *)b + t * tap_bytes + (n / 16) * strip;
-      sdiree_dp_32x32(a + (m + shifts[t]) * K, lda, b0, b0 + strip, K);
+      sdiree_dp_any_32x32(a + (m + shifts[t]) * K, lda, b0, b0 + strip, K, split);
     }
     if (ep) {
       sdiree_store_32x32(&blk[0][0], 128);
@@ -98,12 +102,12 @@ static inline void sdiree_taps_workgroup(const uint16_t *a, const uint16_t *b, f
 
 int sdiree_amx_bf16_matmul_workgroup(const uint16_t *a, size_t a_offset, const uint16_t *b,
                                      size_t b_offset, float *c, size_t c_offset, size_t M,
-                                     size_t N, size_t K, size_t MB, size_t NB, size_t wg_n,
-                                     size_t wg_m) {
+                                     size_t N, size_t K, size_t MB, size_t NB, size_t split,
+                                     size_t wg_n, size_t wg_m) {
   sdiree_request_amx();
   const size_t none = 0;
   sdiree_taps_workgroup(a + a_offset, b + b_offset, c + c_offset, M, N, K, &none, 1, 0, MB, NB,
-                        wg_n, wg_m);
+                        (int)split, wg_n, wg_m);
   return 0;
 }
 
@@ -130,27 +134,29 @@ static inline __m512 erf16(__m512 x) {
 /* GEGLU on AMX: out[M, N / 2] (bf16) = (x W_v^T + b_v) * gelu(x W_g^T + b_g), one workgroup's
    block of rows x 32 outputs. B packs W interleaved by 32 rows (value 32, gate 32, value 32,
    ...), bias likewise, so a workgroup's 64 packed columns are one output block's value and gate;
-   the grid is (N / 64, M / MB). gelu is the exact one, x * (1 + erf(x / sqrt 2)) / 2. */
+   the grid is (N / 64, M / MB). gelu is the exact one, x * (1 + erf(x / sqrt 2)) / 2. With
+   split, out is [M, N] (each row's hi parts, then its lo parts), the next linear's operand. */
 int sdiree_amx_bf16_geglu_workgroup(const uint16_t *a, size_t a_offset, const uint16_t *b,
                                     size_t b_offset, const float *bias, size_t bias_offset,
                                     uint16_t *out, size_t out_offset, size_t M, size_t N,
-                                    size_t K, size_t wg_n, size_t wg_m) {
+                                    size_t K, size_t split, size_t wg_n, size_t wg_m) {
   sdiree_request_amx();
   a += a_offset;
   b += b_offset;
   bias += bias_offset + wg_n * 64;
+  const size_t lo = split ? N / 2 : 0; /* the output's lo parts, after its hi ones */
   out += out_offset + wg_n * 32;
   sdiree_configure_tiles();
   float vg[2][32][32] __attribute__((aligned(64))); /* value, gate: one 32 x 32 block each */
   const size_t m_begin = wg_m * SDIREE_AMX_MB;
   const size_t m_end = m_begin + SDIREE_AMX_MB < M ? m_begin + SDIREE_AMX_MB : M;
-  const size_t lda = K * 2, strip = K * 32, ldo = N / 2;
+  const size_t lda = K * 2, strip = K * 32, ldo = split ? N : N / 2;
   const uint8_t *bw = (const uint8_t *)b + wg_n * 4 * strip;
   for (size_t m = m_begin; m < m_end; m += 32) {
     for (int half = 0; half < 2; ++half) {
       const uint8_t *b0 = bw + half * 2 * strip;
       sdiree_zero_32x32();
-      sdiree_dp_32x32(a + m * K, lda, b0, b0 + strip, K);
+      sdiree_dp_any_32x32(a + m * K, lda, b0, b0 + strip, K, (int)split);
       sdiree_store_32x32(&vg[half][0][0], 128);
     }
     for (int r = 0; r < 32; ++r) {
@@ -161,8 +167,7 @@ int sdiree_amx_bf16_geglu_workgroup(const uint16_t *a, size_t a_offset, const ui
         const __m512 e = erf16(_mm512_mul_ps(g, _mm512_set1_ps(0.70710678f)));
         const __m512 h = _mm512_mul_ps(_mm512_mul_ps(g, _mm512_set1_ps(0.5f)),
                                        _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
-        _mm256_storeu_si256((__m256i *)(out + (m + r) * ldo + c),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, h)));
+        sdiree_store_bf16x16(out + (m + r) * ldo + c, _mm512_mul_ps(v, h), lo);
       }
     }
   }
@@ -187,13 +192,14 @@ int sdiree_amx_bf16_conv3x3_out_workgroup(const uint16_t *a, size_t a_offset, co
                                           const float *res, size_t res_offset, float *out,
                                           size_t out_offset, size_t M, size_t N, size_t K,
                                           size_t row, size_t H, size_t images, size_t add_rows,
-                                          size_t has_res, size_t wg_n, size_t wg_m) {
+                                          size_t has_res, size_t split, size_t wg_n,
+                                          size_t wg_m) {
   sdiree_request_amx();
   size_t shifts[9];
   for (size_t t = 0; t < 9; ++t) shifts[t] = (t / 3) * row + t % 3;
   const sdiree_conv_epilogue ep = {add + add_offset, has_res ? res + res_offset : 0,
                                    out + out_offset, row, H, images, add_rows};
   sdiree_taps_workgroup(a + a_offset, b + b_offset, 0, M, N, K, shifts, 9, &ep, SDIREE_AMX_MB,
-                        SDIREE_AMX_NB, wg_n, wg_m);
+                        SDIREE_AMX_NB, (int)split, wg_n, wg_m);
   return 0;
 }

@@ -85,6 +85,61 @@ static inline void sdiree_dp_32x32(const void *a, size_t lda, const void *b0, co
   }
 }
 
+/* sdiree_dp_32x32 on operands that are each the sum of two bf16 parts, hi + lo (an f32 value to
+   ~16 significant bits; the exports' `amx_operands: bf16x3`): += A_hi B_lo + A_hi B_hi +
+   A_lo B_hi over `depth`, A_lo B_lo (~2^-17 of the product) dropped. A's lo part is a_lo bytes
+   past its hi part (the same row), each B strip's lo part b_lo bytes past its hi part. Each
+   accumulator takes every fourth product, as in sdiree_dp_32x32; 8 tile loads for 12 products. */
+static inline void sdiree_dp3_32x32(const void *a, size_t a_lo, size_t lda, const void *b0,
+                                    const void *b1, size_t b_lo, size_t depth) {
+  const uint8_t *a0 = (const uint8_t *)a, *a1 = a0 + 16 * lda;
+  const uint8_t *s0 = (const uint8_t *)b0, *s1 = (const uint8_t *)b1;
+  for (size_t k = 0; k < depth; k += 32) {
+    _tile_loadd(4, a0 + k * 2, lda);
+    _tile_loadd(6, s0 + b_lo + k * 32, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, s1 + b_lo + k * 32, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a1 + k * 2, lda);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(6, s0 + k * 32, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_loadd(7, s1 + k * 32, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(4, a0 + a_lo + k * 2, lda);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a1 + a_lo + k * 2, lda);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+/* The A x B of a kernel whose operands are plain bf16 (split 0: depth is K) or hi and lo parts
+   side by side (split 1: rows of A are [hi K/2 | lo K/2], B packs [hi | lo] along K). */
+static inline void sdiree_dp_any_32x32(const void *a, size_t lda, const void *b0, const void *b1,
+                                       size_t K, int split) {
+  if (split)
+    sdiree_dp3_32x32(a, K, lda, b0, b1, K / 2 * 32, K / 2);
+  else
+    sdiree_dp_32x32(a, lda, b0, b1, K);
+}
+
+/* 16 values rounded to bf16 at dst; with lo (an element offset, not 0) the remainder
+   y - bf16(y) rounded to bf16 at dst + lo too: y as the hi and lo parts of an `amx_operands:
+   bf16x3` operand. */
+static inline void sdiree_store_bf16x16(uint16_t *dst, __m512 y, size_t lo) {
+  const __m256i hi = (__m256i)_mm512_cvtneps_pbh(y);
+  _mm256_storeu_si256((__m256i *)dst, hi);
+  if (lo) {
+    const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+    _mm256_storeu_si256((__m256i *)(dst + lo), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(y, back)));
+  }
+}
+
 /* 2^x for x <= 8 (relative error below 3e-6: Taylor to degree 5 of 2^r, |r| <= 1/2); very
    negative x give 0 (vscalefps underflows). */
 static inline __m512 sdiree_exp2(__m512 x) {

@@ -23,6 +23,9 @@
    it: with pad 1 the zero-padded input of the 3x3 conv kernel (amx_bf16_matmul.c), its border
    and its read-ahead rows zeroed here; with pad 0 the plain [N][H][W][C]. C is a multiple of 16.
 
+   With `split` 1 (`amx_operands: bf16x3`) both write each value as the hi and lo bf16 parts of
+   an f32 operand, a pixel's or row's C hi parts then its C lo parts (amx_support.h).
+
    Built freestanding like the other kernels (compile/kernel_objects.py). */
 #include "amx_support.h"
 
@@ -85,32 +88,33 @@ static inline __m512 silu16(__m512 y) {
 int sdiree_group_norm_apply_workgroup(const float *x, size_t x_offset, const float *ab,
                                       size_t ab_offset, uint16_t *out, size_t out_offset,
                                       size_t N, size_t H, size_t W, size_t C, size_t RB,
-                                      size_t pad, size_t tail, size_t silu, size_t wg_b,
-                                      size_t wg_n) {
+                                      size_t pad, size_t tail, size_t silu, size_t split,
+                                      size_t wg_b, size_t wg_n) {
   const float *img = x + x_offset + wg_n * H * W * C;
   const float *a = ab + ab_offset + wg_n * 2 * C, *b = a + C;
   const size_t orow = W + 2 * pad, oimg = (H + 2 * pad) * orow;
-  uint16_t *o = out + out_offset + wg_n * oimg * C;
+  const size_t OC = split ? 2 * C : C, lo = split ? C : 0; /* a pixel's [hi | lo] with split */
+  uint16_t *o = out + out_offset + wg_n * oimg * OC;
   const size_t h0 = wg_b * RB, h1 = h0 + RB < H ? h0 + RB : H;
   for (size_t h = h0; h < h1; ++h) {
-    uint16_t *dst = o + ((h + pad) * orow + pad) * C;
+    uint16_t *dst = o + ((h + pad) * orow + pad) * OC;
     const float *src = img + h * W * C;
     for (size_t w = 0; w < W; ++w) {
       for (size_t c = 0; c < C; c += 16) {
         __m512 y = _mm512_fmadd_ps(_mm512_loadu_ps(src + w * C + c), _mm512_loadu_ps(a + c),
                                    _mm512_loadu_ps(b + c));
         if (silu) y = silu16(y);
-        _mm256_storeu_si256((__m256i *)(dst + w * C + c), (__m256i)_mm512_cvtneps_pbh(y));
+        sdiree_store_bf16x16(dst + w * OC + c, y, lo);
       }
     }
     if (pad) { /* the row's left and right border */
-      zero_bf16(dst - C, C);
-      zero_bf16(dst + W * C, C);
+      zero_bf16(dst - OC, OC);
+      zero_bf16(dst + W * OC, OC);
     }
   }
-  if (pad && h0 == 0) zero_bf16(o, orow * C);
-  if (pad && h1 == H) zero_bf16(o + (H + 1) * orow * C, orow * C);
-  if (h1 == H && wg_n == N - 1) zero_bf16(out + out_offset + N * oimg * C, tail * C);
+  if (pad && h0 == 0) zero_bf16(o, orow * OC);
+  if (pad && h1 == H) zero_bf16(o + (H + 1) * orow * OC, orow * OC);
+  if (h1 == H && wg_n == N - 1) zero_bf16(out + out_offset + N * oimg * OC, tail * OC);
   return 0;
 }
 
@@ -119,7 +123,8 @@ int sdiree_group_norm_apply_workgroup(const float *x, size_t x_offset, const flo
    row is read from memory once (its second and third reads hit L1); C is a multiple of 16. */
 int sdiree_layer_norm_workgroup(const float *x, size_t x_offset, const float *gb,
                                 size_t gb_offset, uint16_t *out, size_t out_offset, size_t M,
-                                size_t C, size_t RB, size_t eps_bits, size_t wg_m) {
+                                size_t C, size_t RB, size_t eps_bits, size_t split,
+                                size_t wg_m) {
   union {
     uint32_t u;
     float f;
@@ -140,11 +145,11 @@ int sdiree_layer_norm_workgroup(const float *x, size_t x_offset, const float *gb
     const float var = _mm512_reduce_add_ps(v) * inv_c + eps.f;
     const __m128 r = _mm_sqrt_ss(_mm_set_ss(var));
     const __m512 rstd = _mm512_set1_ps(1.0f / _mm_cvtss_f32(r));
-    uint16_t *dst = out + out_offset + m * C;
+    uint16_t *dst = out + out_offset + m * (split ? 2 * C : C);
     for (size_t c = 0; c < C; c += 16) {
       const __m512 d = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + c), mean), rstd);
       const __m512 y = _mm512_fmadd_ps(d, _mm512_loadu_ps(gamma + c), _mm512_loadu_ps(beta + c));
-      _mm256_storeu_si256((__m256i *)(dst + c), (__m256i)_mm512_cvtneps_pbh(y));
+      sdiree_store_bf16x16(dst + c, y, split ? C : 0);
     }
   }
   return 0;

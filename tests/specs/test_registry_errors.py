@@ -236,6 +236,7 @@ def test_compile_with_malformed_specs_is_one_line(specs, tmp_path):
 
 def test_export_choices_match_the_exporters():
     pytest.importorskip("torch")
+    from sdiree.compile.exporters.amx_matmul import AMX_OPERANDS
     from sdiree.compile.exporters.attention import ATTENTIONS
     from sdiree.compile.exporters.channels_first import TRANSFORMER_CHOICES
     from sdiree.compile.exporters.conv_matmul import CONV_CHOICES
@@ -247,5 +248,5 @@ def test_export_choices_match_the_exporters():
     assert EXPORT_CHOICES == {
         "attention": ATTENTIONS, "conv": CONV_CHOICES, "linear": LINEAR_CHOICES,
         "transformer": TRANSFORMER_CHOICES, "winograd_output": WINOGRAD_OUTPUTS,
-        "layout": LAYOUTS, "matmul_kernel": MATMUL_KERNELS,
+        "layout": LAYOUTS, "matmul_kernel": MATMUL_KERNELS, "amx_operands": AMX_OPERANDS,
     }  # fmt: skip
