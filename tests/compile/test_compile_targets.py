@@ -330,21 +330,30 @@ def test_compile_says_a_dtypes_note_for_a_feature_the_cpu_has(
 
 @pytest.mark.parametrize(
     "features,dtype,amx",
-    [(("amx_tile", "amx_bf16"), "bf16", True), ((), "bf16", False), (("amx_bf16",), "fp32", False)],
+    [
+        (("amx_tile", "amx_bf16"), "bf16", True),
+        ((), "bf16", False),
+        (("amx_tile", "amx_bf16"), "fp32", True),
+        ((), "fp32", False),
+    ],
 )
-def test_bf16_unets_linears_take_the_amx_kernel_on_an_amx_cpu(tmp_path, features, dtype, amx):
-    """cpu bf16 on a CPU with AMX (`if_cpu_has.amx_bf16`): the UNet's linears, and the UNet's
-    and the VAE's split Winograd products and attention matmuls, go to sdiree's AMX kernel
-    (compile/exporters/linear_amx.py, amx_matmul.py), and the UNet runs channels-last; the
-    text encoder, fp32 and CPUs without AMX keep iree's own and NCHW."""
+def test_unets_linears_take_the_amx_kernel_on_an_amx_cpu(tmp_path, features, dtype, amx):
+    """cpu bf16 and fp32 on a CPU with AMX (`if_cpu_has.amx_bf16`): the UNet's linears, and the
+    UNet's and the VAE's convs, split Winograd products and attention, go to sdiree's AMX
+    kernels (compile/exporters/linear_amx.py, amx_matmul.py), and the UNet runs channels-last,
+    fp32 with every operand as two bf16 parts (`amx_operands: bf16x3`); the text encoder and
+    CPUs without AMX keep iree's own and NCHW."""
     from sdiree.runtime.targets import load_registry
 
     cpu = load_registry(_probe_registry(tmp_path, features)).targets["cpu"]
     unet = cpu.export_for("unet", dtype, "probe")
     assert (unet.get("linear") == "amx") == amx
     assert (unet.get("layout") == "channels_last") == amx
+    split = amx and dtype == "fp32"
     for sub in ("unet", "vae_decoder", "vae_encoder"):
         assert (cpu.export_for(sub, dtype, "probe").get("matmul_kernel") == "amx") == amx
+        assert (cpu.export_for(sub, dtype, "probe").get("amx_operands") == "bf16x3") == split
+    assert "winograd4_min_side" not in unet or not amx  # its convs on the conv kernel
     for sub in ("text_encoder", "vae_decoder", "vae_encoder"):
         assert cpu.export_for(sub, dtype, "probe").get("linear") != "amx"
     assert "matmul_kernel" not in cpu.export_for("text_encoder", dtype, "probe")
