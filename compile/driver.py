@@ -626,6 +626,16 @@ class Builder:
         out = self.plan.out
         layout = out / f"{submodule}.layout.json"
         encoder = enc["encoder"]
+        if self.export_options(submodule).get("amx_operands") == "bf16x3":
+            encoder["layout_tried"] = True
+            # each weight's lo part is computed from it (w - bf16(w), rounded), not laid out,
+            # and the raw weight cannot be read back from its two parts
+            self.r.say(
+                f"{submodule}: its encoded weights are two bf16 parts each (amx_operands "
+                "bf16x3), not a layout of them: its original archive is kept, and a LoRA on "
+                "it runs the encoder"
+            )
+            return
         with self.r.stage("layout", submodule):
             self.learn_layout(
                 submodule, out / encoder["vmfb"], archives, encoder["derived"],

@@ -49,10 +49,27 @@ def call_main(vmfb: bytes, *inputs: np.ndarray) -> np.ndarray:
     return np.asarray(ctx.modules.module.main(*inputs).to_host())
 
 
-def host_unet_takes_panels() -> bool:
-    """Whether a `host` cpu fp32 compile exports the UNet's linears as weight panels (on a CPU
+def host_unet_takes_panels(arch: str = "host") -> bool:
+    """Whether a cpu fp32 compile for arch exports the UNet's linears as weight panels (on a CPU
     without avx512f: `if_cpu_lacks` in specs/targets.json)."""
     from sdiree.runtime.targets import load_registry
 
     cpu = load_registry().target("cpu")
-    return cpu.export_for("unet", "fp32", "host").get("linear") == "panels"
+    return cpu.export_for("unet", "fp32", arch).get("linear") == "panels"
+
+
+def host_fp32_splits() -> bool:
+    """Whether a `host` cpu fp32 compile puts the UNet and VAE on sdiree's AMX kernels with
+    bf16x3 operands (an AMX CPU: `if_cpu_has` in specs/targets.json). Their encoded weights are
+    then computed, not laid out: no layout is learned and their archives are not pruned."""
+    from sdiree.runtime.targets import load_registry
+
+    cpu = load_registry().target("cpu")
+    return cpu.export_for("unet", "fp32", "host").get("amx_operands") == "bf16x3"
+
+
+def laid_out_cpu_fp32() -> tuple[str, str, str]:
+    """The cpu fp32 artifact whose encoded weights are layouts of its archives (what the prune,
+    layout and LoRA re-pack tests need): `host`'s, or on an AMX CPU (host_fp32_splits)
+    `x86-64-v3`'s, which runs on any CPU of the suite."""
+    return ("cpu", "x86-64-v3", "fp32") if host_fp32_splits() else ("cpu", "host", "fp32")

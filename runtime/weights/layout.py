@@ -23,6 +23,7 @@ its bf16 rounding, to nearest even, as the encoder does.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -463,8 +464,9 @@ def _check(region: Region, E: np.ndarray, part: bool = False, row: int | None = 
         return False
     # A region is its weight plus some padding. A candidate that walks one dim far past its
     # size (a contiguous run read as the last dim, SD 1.5's VAE conv_out: 2.7G elements
-    # padded for a 147K weight) is none, and packing it to check would take GBs.
-    if int(np.prod(region.padded(), dtype=np.int64)) > 8 * n + (1 << 20):
+    # padded for a 147K weight) is none, and packing it to check would take GBs. In Python
+    # integers: a wild candidate's (an AMX bf16x3 weight's lo parts) overflowed int64.
+    if math.prod(region.padded()) > 8 * n + (1 << 20):
         return False
     want = region.pack(np.arange(n, dtype=np.int32), fill=PAD)
     if not (len(E) >= len(want) and np.array_equal(E[: len(want)], want)):

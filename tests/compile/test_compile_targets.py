@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from llvm_cpu import laid_out_cpu_fp32
 
 from sdiree.compile.verify import TOLERANCE, check_parity
 from sdiree.runtime.fileutil import sha256_file
@@ -121,7 +122,7 @@ def test_parameters_shared_across_targets(compiled):
     listed weights are the same set."""
     rocm = load_manifest(compiled.get("rocm", "gfx942", "fp16"))
     cuda = load_manifest(compiled.get("cuda", "sm_80", "fp16"))
-    a = load_manifest(compiled.get("cpu", "host", "fp32"))
+    a = load_manifest(compiled.get(*laid_out_cpu_fp32()))
     b = load_manifest(compiled.get("vulkan-spirv", "lavapipe", "fp32"))
     for sub in ("unet", "text_encoder", "vae_decoder"):
         pr, pc = (
@@ -157,8 +158,10 @@ def test_export_choice_differs_by_target(compiled):
     assert cpu32["target"]["export"]["conv"] == "winograd"
     # ... the VAE with F(4x4,3x3), its own choice in the preset, recorded per submodule
     assert cpu32["submodules"]["unet"]["export"]["conv"] == "winograd"
-    preset = load_registry().target("cpu").export_for("unet")["winograd4_min_side"]
-    assert cpu32["submodules"]["unet"]["export"]["winograd4_min_side"] == preset
+    preset = load_registry().target("cpu").export_for("unet", "fp32", "host")
+    unet32 = cpu32["submodules"]["unet"]["export"]
+    assert unet32.get("winograd4_min_side") == preset.get("winograd4_min_side")
+    assert unet32.get("amx_operands") == preset.get("amx_operands")  # bf16x3 on an AMX CPU
     assert cpu32["submodules"]["vae_decoder"]["export"]["conv"] == "winograd4"
     assert cpu32["submodules"]["vae_decoder"]["mlir"] != vk32["submodules"]["vae_decoder"]["mlir"]
     assert vk32["target"]["export"].get("conv", "native") == "native"
@@ -218,9 +221,10 @@ def test_cpu_weights_are_derived_at_export_and_encoded_at_compile(compiled, comp
 
     from sdiree.compile.param_encoder import loads_with
 
-    panels = host_unet_takes_panels()
+    kind = laid_out_cpu_fp32()  # on an AMX CPU, host's VAE convs are on the AMX conv kernel
+    panels = host_unet_takes_panels(kind[1])
     derived_name = "unet.winograd2+panels.irpa" if panels else "unet.winograd2.irpa"
-    out = compiled.get("cpu", "host", "fp32")
+    out = compiled.get(*kind)
     m = load_manifest(out)
     for name, sub in m.submodules.items():
         assert sub.extra_parameters[-1] == (f"{name}.encoded.irpa", f"{name}_encoded"), name

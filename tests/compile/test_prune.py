@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from llvm_cpu import host_fp32_splits, laid_out_cpu_fp32
 
 from sdiree.compile.prune import ArchiveUse, _prune_key
 from sdiree.runtime.device_select import choose_device
@@ -54,7 +55,7 @@ def _image(art, overrides=None):
 
 
 def test_the_cpu_artifact_keeps_only_what_its_encoded_archives_lack(compiled):
-    art = compiled.get("cpu", "host", "fp32")
+    art = compiled.get(*laid_out_cpu_fp32())
     files = load_manifest(art).data["files"]
     for name in ORIGINALS:
         sidecar = sidecar_path(art / name)
@@ -135,7 +136,11 @@ def test_a_lora_on_a_pruned_bf16_artifact_adds_to_its_bf16_weights(compiled, tmp
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_pruned_artifact_makes_the_image_its_full_archives_make(compiled, tmp_path, dtype):
-    art = compiled.get("cpu", "host", dtype)
+    art = (
+        compiled.get(*laid_out_cpu_fp32())
+        if dtype == "fp32"
+        else compiled.get("cpu", "host", dtype)
+    )
     assert set(_pruned(art)) >= {"text_encoder.irpa", "unet.irpa", "vae.irpa"}
     whole = _with_full_archives(art, tmp_path / "whole")
     assert not any(e.recovered for e in Archive(whole / "unet.irpa").entries.values())
@@ -161,7 +166,7 @@ def test_an_archive_without_encoded_weights_stays_whole(compiled):
     archive stays whole."""
     art = compiled.get("vulkan-spirv", "lavapipe", "fp32")
     assert not (art / "unet.irpa.pruned.json").exists()
-    cpu = compiled.get("cpu", "host", "fp32")
+    cpu = compiled.get(*laid_out_cpu_fp32())
     full = Archive(_full(cpu, "unet.irpa"))
     assert not any(e.recovered for e in Archive(art / "unet.irpa").entries.values())
     assert Archive(art / "unet.irpa").entries.keys() == full.entries.keys()
@@ -170,7 +175,7 @@ def test_an_archive_without_encoded_weights_stays_whole(compiled):
 def test_a_lora_session_gives_the_module_no_read_back_weights(compiled):
     """The module's own scope, with a weight replaced, holds the replaced weight and what the
     module names; the weights the artifact dropped are not read back for it (SD 1.5: 2 GB)."""
-    art = compiled.get("cpu", "host", "fp32")
+    art = compiled.get(*laid_out_cpu_fp32())
     m = load_manifest(art)
     a = Archive(art / "unet.irpa")
     dropped = [k for k, e in a.entries.items() if e.recovered]
@@ -200,3 +205,22 @@ def test_the_prune_key_follows_its_inputs_and_skips_submodules_without_a_layout(
     assert key == _prune_key(use, results(), src)
     assert key != _prune_key(use, results(vmfb="9"), src)
     assert key != _prune_key(use, results(layout_sha="9"), src)
+
+
+def test_an_amx_fp32_artifact_keeps_the_archives_of_its_split_weights_whole(compiled):
+    """On an AMX CPU, host fp32's UNet and VAE encode each weight as two bf16 parts
+    (`amx_operands: bf16x3`): computed from the weight, not laid out, and the weight cannot be
+    read back from them, so no layout is learned and their archives stay whole; the text
+    encoder's is still pruned."""
+    if not host_fp32_splits():
+        pytest.skip("this CPU has no AMX: host fp32 is laid out (the tests above)")
+    art = compiled.get("cpu", "host", "fp32")
+    m = load_manifest(art)
+    for sub in ("unet", "vae_decoder", "vae_encoder"):
+        assert m.data["submodules"][sub]["export"]["amx_operands"] == "bf16x3", sub
+        assert not (art / f"{sub}.layout.json").exists(), sub
+    for name in ("unet.irpa", "vae.irpa"):
+        assert not sidecar_path(art / name).exists(), name
+        assert not any(e.recovered for e in Archive(art / name).entries.values()), name
+    assert sidecar_path(art / "text_encoder.irpa").exists()
+    assert (art / "text_encoder.layout.json").exists()

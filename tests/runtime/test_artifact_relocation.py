@@ -131,7 +131,12 @@ def test_copied_artifact_runs_without_the_original_or_the_cache(compiled, compil
     assert files_under(compiled.model) == model_before
     home_after = files_under(home)
     written = {f for f, v in home_after.items() if home_before.get(f) != v}
-    documented = (".cache/sdiree/tiny-sd/", ".cache/sdiree/.modules/", ".cache/sdiree/.exports/")
+    documented = (
+        ".cache/sdiree/tiny-sd/",
+        ".cache/sdiree/.modules/",
+        ".cache/sdiree/.exports/",
+        ".cache/sdiree/.kernels/",  # sdiree's kernels' objects, where an export links them
+    )
     assert all(f.startswith(documented) for f in written), sorted(written)
     assert any(f.startswith(".cache/sdiree/.modules/") for f in written)  # modules compiled
 

@@ -14,6 +14,7 @@ import shutil
 
 import numpy as np
 import pytest
+from llvm_cpu import laid_out_cpu_fp32
 
 from sdiree.runtime.cpu_features import host_cpu_features
 from sdiree.runtime.device_select import choose_device
@@ -273,7 +274,11 @@ def test_a_lora_repacked_in_numpy_makes_the_encoder_paths_image(
     compiled, monkeypatch, tmp_path, capsys, dtype
 ):
     """Also bf16 (its encoder packs weights in bf16, learned from two coded runs)."""
-    art = compiled.get("cpu", "host", dtype)
+    art = (
+        compiled.get(*laid_out_cpu_fp32())
+        if dtype == "fp32"
+        else compiled.get("cpu", "host", dtype)
+    )
     monkeypatch.setenv("SDIREE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv(repack.SHARE_ENV, "1")  # this change is 47% of the tiny UNet's packs
     lora = _lora_like(art)
@@ -297,7 +302,11 @@ def test_the_compile_learns_each_lora_submodules_layout_and_the_runtime_the_same
     """An artifact from before layouts were learned at compile (none in its manifest) learns
     the same layout at its first LoRA, once, into the user cache. bf16's too: complete, with
     bf16 packs where the CPU has bf16 ukernels (and the encoder then rounds to bf16)."""
-    art = compiled.get("cpu", "host", dtype)
+    art = (
+        compiled.get(*laid_out_cpu_fp32())
+        if dtype == "fp32"
+        else compiled.get("cpu", "host", dtype)
+    )
     m = load_manifest(art)
     packs = set()
     for name in ("text_encoder", "unet", "vae_decoder", "vae_encoder"):
