@@ -17,7 +17,7 @@ Export choice `amx_operands: bf16x3` (`set_split` marks a model's modules; every
 marked module takes `split`): each operand an f32 value as the sum of two bf16 parts, hi + lo,
 side by side along K (`operand`, `weight_operand`: the same bytes as f32), and each product
 A_hi B_hi + A_hi B_lo + A_lo B_hi (the kernels' sdiree_dp3_32x32): results of fp32's class
-(an SD 1.5 UNet call 1.7e-5 from torch fp32, emulated; sdiree's fp32 build 1.2e-5, bf16 9e-3)
+(the SD 1.5 UNet call 1.6e-5 from torch fp32; iree's fp32 build 1.2e-5, bf16 operands 8e-3)
 at a third of AMX's bf16 rate, still several times AVX-512's f32 one (compile/NOTES.md).
 """
 
