@@ -27,8 +27,9 @@ from sdiree.runtime.targets import UNET_ONLY_EXPORT
 # (group_norm_kernel.py), written as the conv kernel's padded bf16 input, the transformer
 # blocks' LayerNorms on a kernel too (layer_norm_kernel.py), both giving bf16, and the conv
 # kernel's epilogue writing only real pixels with the bias, time embedding and skip added;
-# 13: the AMX kernels' ops take `split` (export choice `amx_operands`).
-EXPORTER_REVISION = 13
+# 13: the AMX kernels' ops take `split` (export choice `amx_operands`); 14: a split matmul's
+# block chosen by its operands' whole depth.
+EXPORTER_REVISION = 14
 # Bumped when weights derived at export (Winograd) are computed differently, so that cached
 # derived archives written before are written again (compile/driver.py). 2: rounded once to the
 # export dtype; before, an fp16 file compiled in fp32 had its transformed weights rounded to fp16

@@ -335,7 +335,10 @@ def _make_op():
             j, k2 = RankedTensorType(kb.arg_bindings[1].type).shape[-4:-2]
             lead = "".join(f"{d}x" for d in batch)
             split = ksel.arg_descs[2].v
-            block_m, block_n = block_for(k // (2 if split else 1), j * 16)
+            # by the operand's whole depth: split, A's rows are twice as long (both parts),
+            # and the wide block's A rows no longer stay in L1 past 320 deep (SD 1.5's fp32
+            # UNet call x0.958 against blocks by the real K, compile/NOTES.md)
+            block_m, block_n = block_for(k, j * 16)
             emit_call(
                 loader,
                 kb,
