@@ -28,8 +28,9 @@ from sdiree.runtime.targets import UNET_ONLY_EXPORT
 # blocks' LayerNorms on a kernel too (layer_norm_kernel.py), both giving bf16, and the conv
 # kernel's epilogue writing only real pixels with the bias, time embedding and skip added;
 # 13: the AMX kernels' ops take `split` (export choice `amx_operands`); 14: a split matmul's
-# block chosen by its operands' whole depth.
-EXPORTER_REVISION = 14
+# block chosen by its operands' whole depth; 15: the fused attention takes the real key count
+# (every cross-attention on the kernel, no mask column) and writes bf16 without split.
+EXPORTER_REVISION = 15
 # Bumped when weights derived at export (Winograd) are computed differently, so that cached
 # derived archives written before are written again (compile/driver.py). 2: rounded once to the
 # export dtype; before, an fp16 file compiled in fp32 had its transformed weights rounded to fp16

@@ -38,6 +38,7 @@ import torch
 from . import attention_amx
 from .amx_matmul import MULTIPLE, amx_matmul, fits, is_split, operand, pack_b, weight_operand
 from .amx_matmul import register as register_amx
+from .linear_amx import casts_input
 
 # Largest score block (one head's queries x keys, in bytes of the score dtype) a chunk may hold,
 # unless the export choice `attention_block_bytes` says otherwise. 16 MiB measured best on a Zen
@@ -146,7 +147,9 @@ class ChunkedAttnProcessor:
             out = attention_amx.amx_attention_heads(
                 query, key, value, attn.heads, attn.scale, self.split
             )
-            hidden_states = attn.to_out[1](attn.to_out[0](out.to(query.dtype)))
+            if not casts_input(attn.to_out[0]):  # else it takes the kernel's bf16 as it is
+                out = out.to(query.dtype)
+            hidden_states = attn.to_out[1](attn.to_out[0](out))
         else:
             key, value = attn.head_to_batch_dim(key), attn.head_to_batch_dim(value)
             query = attn.head_to_batch_dim(query)

@@ -7,17 +7,15 @@ them back three times; at SD 1.5's 64x64 level that traffic cost more than the p
 graph only pads and packs: q scaled (by log2(e) too: the kernel's softmax takes powers of 2),
 zero-padded to a head dim that is a multiple of 32 and cast to bf16; each head's keys packed as
 the B operand of q k^T, its values (zero-padded likewise) as the B operand of p v
-(amx_matmul.pack_b). The result is [batch*heads, queries, dim] float32.
+(amx_matmul.pack_b). The result is [batch*heads, queries, dim], bf16 (the output projection's
+operand) or float32 with `amx_operands: bf16x3`.
 
-Key counts that are not a multiple of 32 (cross-attention's 77 text tokens) are zero-padded
-to one, the padded keys masked out through the head dim's padding, with no change to the kernel:
-q gets a 1 in its first padded column, each key there a 0, each padded key MASKED_OUT, so a
-padded key's score is MASKED_OUT (in base-2 units: its probability 2^-30000 is 0) and a real
-key's is unchanged. That needs a head dim with padding (SD 1.5's 40 and 80, not 160).
+Key counts that are not a multiple of 32 (cross-attention's 77 text tokens) are zero-padded to
+one, and the kernel takes the real count: the padded keys' scores are masked out before its
+softmax, at any head dim (SD 1.5's 160 at the 16x16 and 8x8 levels too).
 
-`fits`: no mask, query count a multiple of 32, key count a multiple of 32 or a head dim with
-room for the mask column, a head dim of at most 160 (the kernel's accumulator block); other
-attention keeps the chunked path.
+`fits`: no mask, query count a multiple of 32, a head dim of at most 160 (the kernel's
+accumulator block); other attention keeps the chunked path.
 """
 
 from __future__ import annotations
@@ -46,7 +44,6 @@ QUERY_BLOCK = 32  # the kernel's QB: queries a workgroup
 MAX_DIM = 160  # the kernel's DV_MAX
 # q is scaled by this too: the kernel's softmax takes powers of 2 (2^(s log2 e) = e^s)
 LOG2_E = 1.4426950408889634
-MASKED_OUT = -30000.0  # a padded key's score, in base-2 units (exact in bf16: -29952)
 
 
 def padded(d: int) -> int:
@@ -60,7 +57,6 @@ def fits(query: torch.Tensor, key: torch.Tensor, mask) -> bool:
         mask is None
         and all(isinstance(n, int) for n in (nq, nk))
         and nq % MULTIPLE == 0
-        and (nk % MULTIPLE == 0 or padded(d) > d)
         and padded(d) <= MAX_DIM
     )
 
@@ -73,8 +69,8 @@ def fits_heads(query: torch.Tensor, key: torch.Tensor, heads: int, mask) -> bool
 
 def amx_attention(query, key, value, scale: float, split: bool = False) -> torch.Tensor:
     """softmax(query key^T * scale) value on [batch*heads, tokens, dim] fp32 tensors, on the
-    kernel (`register()` first, outside a trace); split: `amx_operands: bf16x3`."""
-    return _attend(query[:, :, None], key, value, scale, split)[:, :, 0]
+    kernel (`register()` first, outside a trace); split: `amx_operands: bf16x3`. float32."""
+    return _attend(query[:, :, None], key, value, scale, split)[:, :, 0].float()
 
 
 def amx_attention_heads(
@@ -83,7 +79,7 @@ def amx_attention_heads(
     """The same on the projections [batch, tokens, heads * dim], the result in that layout too:
     the kernel reads each head's queries and writes its output in place (strided rows), so no
     transpose splits the heads of q or merges those of the output (the keys' and values' split
-    is part of their packing); [batch, queries, heads * dim]."""
+    is part of their packing); [batch, queries, heads * dim], bf16 (float32 with split)."""
     b, nq, hd = query.shape
     d = hd // heads
 
@@ -102,23 +98,21 @@ def _attend(q4, key, value, scale: float, split: bool) -> torch.Tensor:
     F = torch.nn.functional
     d = q4.shape[-1]
     pad = padded(d) - d
-    extra = -key.shape[1] % MULTIPLE  # padded keys, masked out in the first padded column
-    # every pad, column and pack below in bf16 (the values the kernel reads, half the bytes);
-    # split, in f32 until the parts are taken
+    keys = key.shape[1]
+    extra = -keys % MULTIPLE  # padded keys, masked out by the kernel
+    # every pad and pack below in bf16 (the values the kernel reads, half the bytes); split, in
+    # f32 until the parts are taken
     dt = torch.float32 if split else torch.bfloat16
     q = (q4 * (scale * LOG2_E)).to(dt)
     key, value = key.to(dt), value.to(dt)
-    if extra:
-        q = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)
-        # made in f32 and cast: a bf16 pad value would be a bf16 scalar in iree's VM
-        column = F.pad(torch.zeros_like(key[..., :1], dtype=torch.float32), (0, 0, 0, extra),
-                       value=MASKED_OUT).to(dt)  # fmt: skip
-        key = torch.cat([F.pad(key, (0, 0, 0, extra)), column], dim=-1)
-        value = F.pad(value, (0, 0, 0, extra))
-    q = operand(F.pad(q, (0, padded(d) - q.shape[-1])), split)
-    k = pack_b(weight_operand(F.pad(key, (0, padded(d) - key.shape[-1])), split))
-    v = pack_b(weight_operand(F.pad(value, (0, pad)).transpose(1, 2), split))
-    return _OP(q, k, v, d, int(split))
+    q = operand(F.pad(q, (0, pad)), split)
+    k = pack_b(weight_operand(F.pad(key, (0, pad, 0, extra)), split))
+    v = pack_b(weight_operand(F.pad(value, (0, pad, 0, extra)).transpose(1, 2), split))
+    return _OP(q, k, v, d, keys, int(split))
+
+
+def _out_dtype(split) -> torch.dtype:
+    return torch.float32 if split else torch.bfloat16
 
 
 _OP = KernelOp("amx_attention", lambda: _make_op())
@@ -135,12 +129,12 @@ _TEMPLATE = (
     }}
     builtin.module {{
       func.func private @sdiree_amx_bf16_attention_workgroup(memref<bf16>, index, memref<bf16>,
-          index, memref<bf16>, index, memref<f32>, index, index, index, index, index, index,
-          index, index, index, index) -> i32
+          index, memref<bf16>, index, memref<{odt}>, index, index, index, index, index, index,
+          index, index, index, index, index) -> i32
           attributes {{hal.import.static, llvm.bareptr = true}}
       func.func @{name}(%q: !stream.binding, %k: !stream.binding, %v: !stream.binding,
-          %o: !stream.binding, %BH: index, %NQ: index, %NK: index, %D: index, %DV: index,
-          %DO: index, %H: index) {{
+          %o: !stream.binding, %BH: index, %NQ: index, %NK: index, %NKV: index, %D: index,
+          %DV: index, %DO: index, %H: index) {{
         %c0 = arith.constant 0 : index
         %wq = stream.dispatch.workgroup.id[0] : index
         %wh = stream.dispatch.workgroup.id[1] : index
@@ -153,32 +147,35 @@ _TEMPLATE = (
         %so = arith.muli %hq, %DO : index
 """
     + buffer_views(
-        ("q", "bf16", "sq"), ("k", "bf16", "sk"), ("v", "bf16", "sv"), ("o", "f32", "so")
+        ("q", "bf16", "sq"), ("k", "bf16", "sk"), ("v", "bf16", "sv"), ("o", "{odt}", "so")
     )
     + """        %r = func.call @sdiree_amx_bf16_attention_workgroup(%q_base, %q_off, %k_base,
-            %k_off, %v_base, %v_off, %o_base, %o_off, %NQ, %NK, %D, %DV, %DO, %H, %split, %wq,
-            %wh) : (memref<bf16>, index, memref<bf16>, index, memref<bf16>, index, memref<f32>,
-            index, index, index, index, index, index, index, index, index, index) -> i32
+            %k_off, %v_base, %v_off, %o_base, %o_off, %NQ, %NK, %NKV, %D, %DV, %DO, %H, %split,
+            %wq, %wh) : (memref<bf16>, index, memref<bf16>, index, memref<bf16>, index,
+            memref<{odt}>, index, index, index, index, index, index, index, index, index, index,
+            index) -> i32
         return
       }}
     }}
   }}
   util.func private @{name}(%q: tensor<{b}x{nq}x{h}x{d}xbf16>,
       %k: tensor<{bh}x{kj}x{d2}x16x2xbf16>, %v: tensor<{bh}x{vj}x{nk2}x16x2xbf16>)
-      -> tensor<{b}x{nq}x{h}x{do}xf32> {{
+      -> tensor<{b}x{nq}x{h}x{do}x{odt}> {{
     %bh = arith.constant {bh} : index
     %nq = arith.constant {nq} : index
     %nk = arith.constant {nk} : index
+    %nkv = arith.constant {nkv} : index
     %d = arith.constant {d} : index
     %dv = arith.constant {dv} : index
     %do = arith.constant {do} : index
     %h = arith.constant {h} : index
-    %0 = flow.dispatch @{name}_exe::@{name}[%nq, %bh](%q, %k, %v, %bh, %nq, %nk, %d, %dv, %do,
-        %h)
+    %0 = flow.dispatch @{name}_exe::@{name}[%nq, %bh](%q, %k, %v, %bh, %nq, %nk, %nkv, %d, %dv,
+        %do, %h)
         : (tensor<{b}x{nq}x{h}x{d}xbf16>, tensor<{bh}x{kj}x{d2}x16x2xbf16>,
-           tensor<{bh}x{vj}x{nk2}x16x2xbf16>, index, index, index, index, index, index, index)
-        -> tensor<{b}x{nq}x{h}x{do}xf32>
-    util.return %0 : tensor<{b}x{nq}x{h}x{do}xf32>
+           tensor<{bh}x{vj}x{nk2}x16x2xbf16>, index, index, index, index, index, index, index,
+           index)
+        -> tensor<{b}x{nq}x{h}x{do}x{odt}>
+    util.return %0 : tensor<{b}x{nq}x{h}x{do}x{odt}>
   }}
 }}
 """
@@ -193,33 +190,38 @@ def _make_op():
 
     @CustomOp.register(library=def_library("sdiree_amx_attention"))
     class amx_bf16_attention(CustomOp):
-        signature = "amx_bf16_attention(Tensor q, Tensor k, Tensor v, int d, int split) -> (Tensor)"
+        signature = (
+            "amx_bf16_attention(Tensor q, Tensor k, Tensor v, int d, int nk, int split) -> (Tensor)"
+        )
 
         def select(self, ksel):
-            select_static(ksel, 3, 2, lambda s, d, _: ([*s[0][:3], d], torch.float32))
+            select_static(ksel, 3, 3, lambda s, d, _, split: ([*s[0][:3], d], _out_dtype(split)))
 
-        def eager_execute(self, q, k, v, d, split):
+        def eager_execute(self, q, k, v, d, nk, split):
             b, nq, h, dp = q.shape
             heads = q.permute(0, 2, 1, 3).reshape(b * h, nq, dp)
             scores = product(heads, unpack_b(k), bool(split))  # in base-2 units
+            scores[..., nk:] = -math.inf  # the padded keys
             p = torch.softmax(scores * math.log(2), dim=-1)
             if split:
                 p = operand(p, True)
             out = product(p, unpack_b(v), bool(split))[..., :d]
-            return out.reshape(b, h, nq, d).permute(0, 2, 1, 3).contiguous()
+            out = out.reshape(b, h, nq, d).permute(0, 2, 1, 3).contiguous()
+            return out.to(_out_dtype(split))
 
         def generate(self, ksel, kb):
             b, nq, h, dp = RankedTensorType(kb.arg_bindings[0].type).shape
             bh, kj, d2, _, _ = RankedTensorType(kb.arg_bindings[1].type).shape
             _, vj, nk2, _, _ = RankedTensorType(kb.arg_bindings[2].type).shape
-            d_out, split = ksel.arg_descs[3].v, ksel.arg_descs[4].v
+            d_out, nkv, split = (ksel.arg_descs[i].v for i in (3, 4, 5))
             emit_call(
                 loader,
                 kb,
                 KERNEL,
-                f"sdiree_amx_attention_{b}x{nq}x{h}x{kj * 16}x{dp}x{d_out}s{split}",
+                f"sdiree_amx_attention_{b}x{nq}x{h}x{nkv}x{dp}x{d_out}s{split}",
                 3,
                 split=split,
+                odt="f32" if split else "bf16",
                 sv=bh * vj * 16 * nk2 * 2,
                 block_q=QUERY_BLOCK,
                 b=b,
@@ -227,6 +229,7 @@ def _make_op():
                 bh=bh,
                 nq=nq,
                 nk=kj * 16,
+                nkv=nkv,
                 d=dp,
                 dv=vj * 16,
                 do=d_out,

@@ -4,9 +4,9 @@
    (256 queries x 4096 keys, f32: 4 MiB) to memory and reads it back three times (max, exp, the
    product with V): at SD 1.5's 64x64 level that is ~18 GB of traffic a UNet call, more than the
    products cost on AMX. Here a workgroup keeps its scores in L1: keys are taken a block of KB at
-   a time, the softmax is the online one (running row max m and sum l, the output rescaled when
-   a row's scores pass its reference m by more than SLACK), and both products run on AMX tiles.
-   The exporter (compile/exporters/attention_amx.py) sends attention without a mask here.
+   a time, the softmax is the online one (running row reference m and sum l, the output rescaled
+   when a row's scores pass its reference by more than SLACK), and both products run on AMX
+   tiles. The exporter (compile/exporters/attention_amx.py) sends attention without a mask here.
 
    Layouts, per head h of BH = B x H (the workgroup grid is (NQ / 32, BH)):
      q  [B][NQ][H][D] bf16, already scaled, D a multiple of 32 (zero-padded head dim): the
@@ -15,13 +15,21 @@
         Q K^T (amx_matmul.pack_b of the keys);
      v  [BH][DV / 16][NK / 2][16][2] bf16: each head's values [NK, DV] packed as the B operand of
         P V (pack_b of the values' transpose), DV a multiple of 32, at most 160;
-     o  [B][NQ][H][DO] f32: the first DO <= DV columns of the normalized output, the heads
-        side by side again, as the output projection reads them.
-   NQ and NK are multiples of 32. q comes scaled by log2(e) too, so the softmax's exponentials are
-   powers of 2, and as P is rounded to bf16 for the product they are taken to bf16's precision
-   (sdiree_exp2_coarse); the row sums l are summed in f32 before that rounding (its errors are
-   unbiased and average out over a row), 16 lanes a row until the end. A block's row maximum is
-   reduced only when a score passes the row's reference by more than SLACK.
+     o  [B][NQ][H][DO]: the first DO <= DV columns of the normalized output, the heads side by
+        side again, as the output projection reads them: bf16 (its operand), f32 with split.
+   NQ and NK are multiples of 32; only the first NKV <= NK keys are real (cross-attention's 77
+   text tokens, zero-padded to 96): the others' scores are set to MASKED before the softmax.
+   q comes scaled by log2(e) too, so the softmax's exponentials are powers of 2, and as P is
+   rounded to bf16 for the product they are taken to bf16's precision (sdiree_exp2_coarse); the
+   row sums l are summed in f32 before that rounding (its errors are unbiased and average out
+   over a row), 16 lanes a row until the end.
+
+   Row maxima: only the first key block's are reduced (the rows' references m). A later block's
+   exponentials are taken against m as it is, and a row is looked at again only when one lane of
+   its block sum passes 2^SLACK (which any exponential above 2^SLACK, a score more than SLACK
+   past m, makes it do): then its maximum is reduced, and where it passes m by more than SLACK, m
+   moves to it, l and the row's output are rescaled by 2^(m_old - m_new) and the row's
+   exponentials taken again.
 
    With `split` 1 (`amx_operands: bf16x3`) every operand is an f32 value as two bf16 parts
    (amx_support.h, sdiree_dp3_32x32): q's rows per head [hi D/2 | lo D/2], k packing [hi | lo]
@@ -36,19 +44,50 @@
 #define KB 128       /* keys a step of the online softmax */
 #define DV_MAX 160
 #define SLACK 8.0f   /* how far (base 2) scores may pass a row's reference max */
+#define MASKED -30000.0f /* a padded key's score: its exponential is 0 */
+
+/* p[r] = 2^(s[r] - m) for one row's len scores (bf16, with split its lo parts too at lo
+   elements past p), their sum returned as 16 lanes. */
+static inline __m512 sdiree_softmax_row(const float *s, float m, uint16_t *p, size_t lo,
+                                        size_t len, int split) {
+  const __m512 mv = _mm512_set1_ps(m);
+  if (split) { /* P to f32's precision, as hi and lo parts */
+    __m512 sum = _mm512_setzero_ps();
+    for (size_t c = 0; c < len; c += 16) {
+      const __m512 e = sdiree_exp2(_mm512_sub_ps(_mm512_load_ps(s + c), mv));
+      sdiree_store_bf16x16(p + c, e, lo);
+      sum = _mm512_add_ps(sum, e);
+    }
+    return sum;
+  }
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  for (size_t c = 0; c < len; c += 32) {
+    const __m512 e0 = sdiree_exp2_coarse(_mm512_sub_ps(_mm512_load_ps(s + c), mv));
+    const __m512 e1 = sdiree_exp2_coarse(_mm512_sub_ps(_mm512_load_ps(s + c + 16), mv));
+    _mm512_store_si512((void *)(p + c), (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    sum0 = _mm512_add_ps(sum0, e0);
+    sum1 = _mm512_add_ps(sum1, e1);
+  }
+  return _mm512_add_ps(sum0, sum1);
+}
+
+static inline float sdiree_row_max(const float *s, size_t len) {
+  __m512 mx = _mm512_load_ps(s);
+  for (size_t c = 16; c < len; c += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(s + c));
+  return _mm512_reduce_max_ps(mx);
+}
 
 int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, const uint16_t *k,
                                         size_t k_offset, const uint16_t *v, size_t v_offset,
-                                        float *o, size_t o_offset, size_t NQ, size_t NK, size_t D,
-                                        size_t DV, size_t DO, size_t H, size_t split,
-                                        size_t wg_q, size_t wg_h) {
+                                        void *o, size_t o_offset, size_t NQ, size_t NK,
+                                        size_t NKV, size_t D, size_t DV, size_t DO, size_t H,
+                                        size_t split, size_t wg_q, size_t wg_h) {
   sdiree_request_amx();
   const size_t q0 = wg_q * QB, first = (wg_h / H * NQ + q0) * H + wg_h % H; /* its first row */
   const uint8_t *qh = (const uint8_t *)(q + q_offset + first * D);
   const uint8_t *kh = (const uint8_t *)(k + k_offset + wg_h * NK * D);
   const size_t vk = split ? 2 * NK : NK; /* a value strip's keys: with split, hi's then lo's */
   const uint8_t *vh = (const uint8_t *)(v + v_offset + wg_h * vk * DV);
-  float *oh = o + o_offset + first * DO;
 
   float s[QB][KB] __attribute__((aligned(64)));
   uint16_t p[2][QB][KB] __attribute__((aligned(64))); /* bf16 P, and with split its lo parts */
@@ -56,7 +95,6 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
   float m[QB];
   float l[QB][16] __attribute__((aligned(64))); /* each row's sum, 16 lanes: reduced at the end */
   for (int r = 0; r < QB; ++r) {
-    m[r] = -1e30f;
     _mm512_store_ps(l[r], _mm512_setzero_ps());
     for (size_t c = 0; c < DV; c += 16) _mm512_store_ps(&acc[r][c], _mm512_setzero_ps());
   }
@@ -64,6 +102,7 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
   sdiree_configure_tiles();
 
   const size_t ldq = H * D * 2, k_strip = D * 32, v_strip = vk * 32; /* bytes */
+  const __m512 limit = _mm512_set1_ps(1 << (int)SLACK);
   for (size_t kb = 0; kb < NK; kb += KB) {
     const size_t len = NK - kb < KB ? NK - kb : KB;
     /* s = q k^T for keys [kb, kb + len), 32 x 32 at a time */
@@ -73,59 +112,31 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
       sdiree_dp_any_32x32(qh, ldq, b0, b0 + k_strip, D, (int)split);
       sdiree_store_32x32(&s[0][n], KB * 4);
     }
-    /* the online softmax, a phase at a time over the 32 rows (each phase's rows independent, so
-       their reductions overlap): a row's reference m moves only when its scores pass it by more
-       than SLACK (then l and acc are rescaled by 2^(m_old - m_new)); p = 2^(s - m) <= 2^SLACK,
-       rounded to bf16. */
-    float alpha[QB];
-    int rescale = 0;
+    if (kb + len > NKV) { /* padded keys out */
+      const size_t real = NKV > kb ? NKV - kb : 0;
+      for (int r = 0; r < QB; ++r)
+        for (size_t c = real & ~(size_t)15; c < len; c += 16) {
+          const __mmask16 pad = (__mmask16)(0xFFFFu << (c < real ? real - c : 0));
+          _mm512_mask_storeu_ps(&s[r][c], pad, _mm512_set1_ps(MASKED));
+        }
+    }
+    if (kb == 0)
+      for (int r = 0; r < QB; ++r) m[r] = sdiree_row_max(s[r], len);
     for (int r = 0; r < QB; ++r) {
-      __m512 mx = _mm512_load_ps(&s[r][0]);
-      for (size_t c = 16; c < len; c += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(&s[r][c]));
-      alpha[r] = 1.0f;
-      /* the row's maximum is reduced only when some score passed the reference (rarely) */
-      if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m[r] + SLACK), _CMP_GT_OQ)) {
-        const float row_max = _mm512_reduce_max_ps(mx);
-        alpha[r] = m[r] - row_max; /* the exponent, for now */
-        m[r] = row_max;
-        rescale = 1;
-      }
-    }
-    if (rescale) {
-      for (int r = 0; r < QB; r += 16) {
-        const __m512 x = _mm512_loadu_ps(&alpha[r]);
-        const __mmask16 moved = _mm512_cmp_ps_mask(x, _mm512_set1_ps(1.0f), _CMP_NEQ_OQ);
-        _mm512_storeu_ps(&alpha[r], _mm512_mask_blend_ps(moved, x, sdiree_exp2(x)));
-      }
-      for (int r = 0; r < QB; ++r) {
-        if (alpha[r] == 1.0f) continue;
-        const __m512 av = _mm512_set1_ps(alpha[r]);
-        _mm512_store_ps(l[r], _mm512_mul_ps(_mm512_load_ps(l[r]), av));
-        for (size_t c = 0; c < DV; c += 16)
-          _mm512_store_ps(&acc[r][c], _mm512_mul_ps(_mm512_load_ps(&acc[r][c]), av));
-      }
-    }
-    for (int r = 0; r < QB && split; ++r) { /* P to f32's precision, as hi and lo parts */
-      const __m512 mv = _mm512_set1_ps(m[r]);
-      __m512 sum = _mm512_setzero_ps();
-      for (size_t c = 0; c < len; c += 16) {
-        const __m512 e = sdiree_exp2(_mm512_sub_ps(_mm512_load_ps(&s[r][c]), mv));
-        sdiree_store_bf16x16(&p[0][r][c], e, QB * KB);
-        sum = _mm512_add_ps(sum, e);
+      uint16_t *pr = &p[0][r][0];
+      __m512 sum = sdiree_softmax_row(s[r], m[r], pr, QB * KB, len, (int)split);
+      if (_mm512_cmp_ps_mask(sum, limit, _CMP_GT_OQ)) { /* rarely: a score may pass m + SLACK */
+        const float row_max = sdiree_row_max(s[r], len);
+        if (row_max > m[r] + SLACK) {
+          const __m512 alpha = _mm512_set1_ps(_mm512_cvtss_f32(sdiree_exp2(_mm512_set1_ps(m[r] - row_max))));
+          m[r] = row_max;
+          _mm512_store_ps(l[r], _mm512_mul_ps(_mm512_load_ps(l[r]), alpha));
+          for (size_t c = 0; c < DV; c += 16)
+            _mm512_store_ps(&acc[r][c], _mm512_mul_ps(_mm512_load_ps(&acc[r][c]), alpha));
+          sum = sdiree_softmax_row(s[r], m[r], pr, QB * KB, len, (int)split);
+        }
       }
       _mm512_store_ps(l[r], _mm512_add_ps(_mm512_load_ps(l[r]), sum));
-    }
-    for (int r = 0; r < QB && !split; ++r) {
-      const __m512 mv = _mm512_set1_ps(m[r]);
-      __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-      for (size_t c = 0; c < len; c += 32) {
-        const __m512 e0 = sdiree_exp2_coarse(_mm512_sub_ps(_mm512_load_ps(&s[r][c]), mv));
-        const __m512 e1 = sdiree_exp2_coarse(_mm512_sub_ps(_mm512_load_ps(&s[r][c + 16]), mv));
-        _mm512_store_si512((void *)&p[0][r][c], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-        sum0 = _mm512_add_ps(sum0, e0);
-        sum1 = _mm512_add_ps(sum1, e1);
-      }
-      _mm512_store_ps(l[r], _mm512_add_ps(_mm512_load_ps(l[r]), _mm512_add_ps(sum0, sum1)));
     }
     /* acc += p v for the same keys */
     for (size_t n = 0; n < DV; n += 32) {
@@ -141,8 +152,17 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
   _tile_release();
 
   for (int r = 0; r < QB; ++r) {
-    const float inv = 1.0f / _mm512_reduce_add_ps(_mm512_load_ps(l[r]));
-    for (size_t c = 0; c < DO; ++c) oh[r * H * DO + c] = acc[r][c] * inv;
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(l[r])));
+    const size_t row = r * H * DO;
+    for (size_t c = 0; c < DO; c += 16) {
+      const __mmask16 in = (__mmask16)(DO - c >= 16 ? 0xFFFFu : (1u << (DO - c)) - 1);
+      const __m512 y = _mm512_mul_ps(_mm512_load_ps(&acc[r][c]), inv);
+      if (split)
+        _mm512_mask_storeu_ps((float *)o + o_offset + first * DO + row + c, in, y);
+      else
+        _mm256_mask_storeu_epi16((uint16_t *)o + o_offset + first * DO + row + c, in,
+                                 (__m256i)_mm512_cvtneps_pbh(y));
+    }
   }
   return 0;
 }
