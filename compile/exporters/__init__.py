@@ -29,8 +29,9 @@ from sdiree.runtime.targets import UNET_ONLY_EXPORT
 # kernel's epilogue writing only real pixels with the bias, time embedding and skip added;
 # 13: the AMX kernels' ops take `split` (export choice `amx_operands`); 14: a split matmul's
 # block chosen by its operands' whole depth; 15: the fused attention takes the real key count
-# (every cross-attention on the kernel, no mask column) and writes bf16 without split.
-EXPORTER_REVISION = 15
+# (every cross-attention on the kernel, no mask column) and writes bf16 without split; 16: it
+# takes q in f32 as the projection wrote it (its workgroups scale, cast and pad their rows).
+EXPORTER_REVISION = 16
 # Bumped when weights derived at export (Winograd) are computed differently, so that cached
 # derived archives written before are written again (compile/driver.py). 2: rounded once to the
 # export dtype; before, an fp16 file compiled in fp32 had its transformed weights rounded to fp16

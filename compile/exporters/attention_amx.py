@@ -4,10 +4,10 @@ L1, under export choice `matmul_kernel: amx` with `attention: chunked` (attentio
 
 The chunked path on the kernel's matmuls writes every chunk's scores (f32) to memory and reads
 them back three times; at SD 1.5's 64x64 level that traffic cost more than the products. Here the
-graph only pads and packs: q scaled (by log2(e) too: the kernel's softmax takes powers of 2),
-zero-padded to a head dim that is a multiple of 32 and cast to bf16; each head's keys packed as
-the B operand of q k^T, its values (zero-padded likewise) as the B operand of p v
-(amx_matmul.pack_b). The result is [batch*heads, queries, dim], bf16 (the output projection's
+graph only pads and packs the keys and values: each head's keys zero-padded to a head dim that
+is a multiple of 32 and packed as the B operand of q k^T, its values likewise as the B operand
+of p v (amx_matmul.pack_b). q goes in as the projection wrote it (f32): each workgroup scales
+its rows (by log2(e) too: the kernel's softmax takes powers of 2), casts and pads them itself. The result is [batch*heads, queries, dim], bf16 (the output projection's
 operand) or float32 with `amx_operands: bf16x3`.
 
 Key counts that are not a multiple of 32 (cross-attention's 77 text tokens) are zero-padded to
@@ -93,8 +93,9 @@ def amx_attention_heads(
 
 def _attend(q4, key, value, scale: float, split: bool) -> torch.Tensor:
     """q4 [batch, queries, heads, dim]; key, value [batch*heads, keys, dim]: [batch, queries,
-    heads, dim]. With split, every operand as its hi and lo parts (amx_matmul.operand): q's and
-    k's along the head dim, v's along the keys."""
+    heads, dim]. The kernel takes q4 in f32 as it is (it scales, casts and pads its rows
+    itself); with split, k's and v's hi and lo parts (amx_matmul.operand) along the head dim and
+    along the keys."""
     F = torch.nn.functional
     d = q4.shape[-1]
     pad = padded(d) - d
@@ -103,12 +104,10 @@ def _attend(q4, key, value, scale: float, split: bool) -> torch.Tensor:
     # every pad and pack below in bf16 (the values the kernel reads, half the bytes); split, in
     # f32 until the parts are taken
     dt = torch.float32 if split else torch.bfloat16
-    q = (q4 * (scale * LOG2_E)).to(dt)
     key, value = key.to(dt), value.to(dt)
-    q = operand(F.pad(q, (0, pad)), split)
     k = pack_b(weight_operand(F.pad(key, (0, pad, 0, extra)), split))
     v = pack_b(weight_operand(F.pad(value, (0, pad, 0, extra)).transpose(1, 2), split))
-    return _OP(q, k, v, d, keys, int(split))
+    return _OP(q4.float(), k, v, d, keys, int(split), scale * LOG2_E)
 
 
 def _out_dtype(split) -> torch.dtype:
@@ -128,37 +127,37 @@ _TEMPLATE = (
       stream.return %x, %bh, %c1 : index, index, index
     }}
     builtin.module {{
-      func.func private @sdiree_amx_bf16_attention_workgroup(memref<bf16>, index, memref<bf16>,
+      func.func private @sdiree_amx_bf16_attention_workgroup(memref<f32>, index, memref<bf16>,
           index, memref<bf16>, index, memref<{odt}>, index, index, index, index, index, index,
-          index, index, index, index, index) -> i32
+          f32, index, index, index, index, index, index) -> i32
           attributes {{hal.import.static, llvm.bareptr = true}}
       func.func @{name}(%q: !stream.binding, %k: !stream.binding, %v: !stream.binding,
           %o: !stream.binding, %BH: index, %NQ: index, %NK: index, %NKV: index, %D: index,
-          %DV: index, %DO: index, %H: index) {{
+          %DQ: index, %QS: f32, %DV: index, %DO: index, %H: index) {{
         %c0 = arith.constant 0 : index
         %wq = stream.dispatch.workgroup.id[0] : index
         %wh = stream.dispatch.workgroup.id[1] : index
         %hq = arith.muli %BH, %NQ : index
         %hk = arith.muli %BH, %NK : index
-        %sq = arith.muli %hq, %D : index
+        %sq = arith.muli %hq, %DQ : index
         %sk = arith.muli %hk, %D : index
         %sv = arith.constant {sv} : index
         %split = arith.constant {split} : index
         %so = arith.muli %hq, %DO : index
 """
     + buffer_views(
-        ("q", "bf16", "sq"), ("k", "bf16", "sk"), ("v", "bf16", "sv"), ("o", "{odt}", "so")
+        ("q", "f32", "sq"), ("k", "bf16", "sk"), ("v", "bf16", "sv"), ("o", "{odt}", "so")
     )
     + """        %r = func.call @sdiree_amx_bf16_attention_workgroup(%q_base, %q_off, %k_base,
-            %k_off, %v_base, %v_off, %o_base, %o_off, %NQ, %NK, %NKV, %D, %DV, %DO, %H, %split,
-            %wq, %wh) : (memref<bf16>, index, memref<bf16>, index, memref<bf16>, index,
-            memref<{odt}>, index, index, index, index, index, index, index, index, index, index,
-            index) -> i32
+            %k_off, %v_base, %v_off, %o_base, %o_off, %NQ, %NK, %NKV, %D, %DQ, %QS, %DV, %DO,
+            %H, %split, %wq, %wh) : (memref<f32>, index, memref<bf16>, index, memref<bf16>,
+            index, memref<{odt}>, index, index, index, index, index, index, f32, index, index,
+            index, index, index, index) -> i32
         return
       }}
     }}
   }}
-  util.func private @{name}(%q: tensor<{b}x{nq}x{h}x{d}xbf16>,
+  util.func private @{name}(%q: tensor<{b}x{nq}x{h}x{dq}xf32>,
       %k: tensor<{bh}x{kj}x{d2}x16x2xbf16>, %v: tensor<{bh}x{vj}x{nk2}x16x2xbf16>)
       -> tensor<{b}x{nq}x{h}x{do}x{odt}> {{
     %bh = arith.constant {bh} : index
@@ -166,14 +165,16 @@ _TEMPLATE = (
     %nk = arith.constant {nk} : index
     %nkv = arith.constant {nkv} : index
     %d = arith.constant {d} : index
+    %dq = arith.constant {dq} : index
+    %qs = arith.constant {qscale} : f32
     %dv = arith.constant {dv} : index
     %do = arith.constant {do} : index
     %h = arith.constant {h} : index
-    %0 = flow.dispatch @{name}_exe::@{name}[%nq, %bh](%q, %k, %v, %bh, %nq, %nk, %nkv, %d, %dv,
-        %do, %h)
-        : (tensor<{b}x{nq}x{h}x{d}xbf16>, tensor<{bh}x{kj}x{d2}x16x2xbf16>,
-           tensor<{bh}x{vj}x{nk2}x16x2xbf16>, index, index, index, index, index, index, index,
-           index)
+    %0 = flow.dispatch @{name}_exe::@{name}[%nq, %bh](%q, %k, %v, %bh, %nq, %nk, %nkv, %d, %dq,
+        %qs, %dv, %do, %h)
+        : (tensor<{b}x{nq}x{h}x{dq}xf32>, tensor<{bh}x{kj}x{d2}x16x2xbf16>,
+           tensor<{bh}x{vj}x{nk2}x16x2xbf16>, index, index, index, index, index, index, f32,
+           index, index, index)
         -> tensor<{b}x{nq}x{h}x{do}x{odt}>
     util.return %0 : tensor<{b}x{nq}x{h}x{do}x{odt}>
   }}
@@ -191,15 +192,19 @@ def _make_op():
     @CustomOp.register(library=def_library("sdiree_amx_attention"))
     class amx_bf16_attention(CustomOp):
         signature = (
-            "amx_bf16_attention(Tensor q, Tensor k, Tensor v, int d, int nk, int split) -> (Tensor)"
+            "amx_bf16_attention(Tensor q, Tensor k, Tensor v, int d, int nk, int split, "
+            "float qscale) -> (Tensor)"
         )
 
         def select(self, ksel):
+            ksel.attr_float(6)
             select_static(ksel, 3, 3, lambda s, d, _, split: ([*s[0][:3], d], _out_dtype(split)))
 
-        def eager_execute(self, q, k, v, d, nk, split):
-            b, nq, h, dp = q.shape
-            heads = q.permute(0, 2, 1, 3).reshape(b * h, nq, dp)
+        def eager_execute(self, q, k, v, d, nk, split, qscale):
+            b, nq, h, _ = q.shape
+            depth = k.shape[-3] * 2  # the products' depth (both parts with split)
+            qs = torch.nn.functional.pad(q * qscale, (0, depth // (2 if split else 1) - d))
+            heads = operand(qs, bool(split)).permute(0, 2, 1, 3).reshape(b * h, nq, depth)
             scores = product(heads, unpack_b(k), bool(split))  # in base-2 units
             scores[..., nk:] = -math.inf  # the padded keys
             p = torch.softmax(scores * math.log(2), dim=-1)
@@ -210,18 +215,22 @@ def _make_op():
             return out.to(_out_dtype(split))
 
         def generate(self, ksel, kb):
-            b, nq, h, dp = RankedTensorType(kb.arg_bindings[0].type).shape
+            b, nq, h, dq = RankedTensorType(kb.arg_bindings[0].type).shape
             bh, kj, d2, _, _ = RankedTensorType(kb.arg_bindings[1].type).shape
             _, vj, nk2, _, _ = RankedTensorType(kb.arg_bindings[2].type).shape
             d_out, nkv, split = (ksel.arg_descs[i].v for i in (3, 4, 5))
+            qscale = ksel.arg_descs[6].v
             emit_call(
                 loader,
                 kb,
                 KERNEL,
-                f"sdiree_amx_attention_{b}x{nq}x{h}x{nkv}x{dp}x{d_out}s{split}",
+                # the scale is in the function: one function per scale
+                f"sdiree_amx_attention_{b}x{nq}x{h}x{nkv}x{d2 * 2}x{d_out}s{split}"
+                f"q{round(qscale * 1e6)}",
                 3,
                 split=split,
                 odt="f32" if split else "bf16",
+                qscale=f"{qscale:.9e}",
                 sv=bh * vj * 16 * nk2 * 2,
                 block_q=QUERY_BLOCK,
                 b=b,
@@ -230,7 +239,8 @@ def _make_op():
                 nq=nq,
                 nk=kj * 16,
                 nkv=nkv,
-                d=dp,
+                d=d2 * 2,
+                dq=dq,
                 dv=vj * 16,
                 do=d_out,
                 kj=kj,

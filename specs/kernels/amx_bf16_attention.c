@@ -9,8 +9,10 @@
    tiles. The exporter (compile/exporters/attention_amx.py) sends attention without a mask here.
 
    Layouts, per head h of BH = B x H (the workgroup grid is (NQ / 32, BH)):
-     q  [B][NQ][H][D] bf16, already scaled, D a multiple of 32 (zero-padded head dim): the
-        heads side by side in each query's row, as the projection writes them (H 1: [BH][NQ][D]);
+     q  [B][NQ][H][DQ] f32, the heads side by side in each query's row, as the projection
+        writes them (H 1: [BH][NQ][DQ]): a workgroup takes its 32 rows of its head, scaled by
+        qscale, as bf16 zero-padded to D (the products' depth: a multiple of 32) into L1 itself,
+        so no pass of the graph scales, casts or pads them;
      k  [BH][NK / 16][D / 2][16][2] bf16: each head's keys [NK, D] packed as AMX's B operand of
         Q K^T (amx_matmul.pack_b of the keys);
      v  [BH][DV / 16][NK / 2][16][2] bf16: each head's values [NK, DV] packed as the B operand of
@@ -19,7 +21,7 @@
         side again, as the output projection reads them: bf16 (its operand), f32 with split.
    NQ and NK are multiples of 32; only the first NKV <= NK keys are real (cross-attention's 77
    text tokens, zero-padded to 96): the others' scores are set to MASKED before the softmax.
-   q comes scaled by log2(e) too, so the softmax's exponentials are powers of 2, and as P is
+   qscale includes log2(e), so the softmax's exponentials are powers of 2, and as P is
    rounded to bf16 for the product they are taken to bf16's precision (sdiree_exp2_coarse); the
    row sums l are summed in f32 before that rounding (its errors are unbiased and average out
    over a row), 16 lanes a row until the end.
@@ -37,7 +39,7 @@
    taken to f32's precision (sdiree_exp2) and split likewise.
 
    Built freestanding like amx_bf16_matmul.c (compile/kernel_objects.py). Its stack frame is
-   ~53 KB (iree's task workers have 128 KB). */
+   ~74 KB (iree's task workers have 128 KB). */
 #include "amx_support.h"
 
 #define QB 32        /* queries a workgroup */
@@ -77,14 +79,28 @@ static inline float sdiree_row_max(const float *s, size_t len) {
   return _mm512_reduce_max_ps(mx);
 }
 
-int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, const uint16_t *k,
+int sdiree_amx_bf16_attention_workgroup(const float *q, size_t q_offset, const uint16_t *k,
                                         size_t k_offset, const uint16_t *v, size_t v_offset,
                                         void *o, size_t o_offset, size_t NQ, size_t NK,
-                                        size_t NKV, size_t D, size_t DV, size_t DO, size_t H,
-                                        size_t split, size_t wg_q, size_t wg_h) {
+                                        size_t NKV, size_t D, size_t DQ, float qscale, size_t DV,
+                                        size_t DO, size_t H, size_t split, size_t wg_q,
+                                        size_t wg_h) {
   sdiree_request_amx();
   const size_t q0 = wg_q * QB, first = (wg_h / H * NQ + q0) * H + wg_h % H; /* its first row */
-  const uint8_t *qh = (const uint8_t *)(q + q_offset + first * D);
+  /* the workgroup's queries as the products' A operand: rows of D bf16 (with split, each row
+     its hi parts then its lo parts, D / 2 each) */
+  uint16_t qa[QB][2 * DV_MAX] __attribute__((aligned(64)));
+  const size_t part = split ? D / 2 : D;
+  for (int r = 0; r < QB; ++r) {
+    const float *src = q + q_offset + (first + (size_t)r * H) * DQ;
+    for (size_t c = 0; c < part; c += 16) {
+      const __mmask16 in =
+          (__mmask16)(c >= DQ ? 0 : DQ - c >= 16 ? 0xFFFFu : (1u << (DQ - c)) - 1);
+      const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, src + c), _mm512_set1_ps(qscale));
+      sdiree_store_bf16x16(&qa[r][c], x, split ? part : 0);
+    }
+  }
+  const uint8_t *qh = (const uint8_t *)&qa[0][0];
   const uint8_t *kh = (const uint8_t *)(k + k_offset + wg_h * NK * D);
   const size_t vk = split ? 2 * NK : NK; /* a value strip's keys: with split, hi's then lo's */
   const uint8_t *vh = (const uint8_t *)(v + v_offset + wg_h * vk * DV);
@@ -101,7 +117,7 @@ int sdiree_amx_bf16_attention_workgroup(const uint16_t *q, size_t q_offset, cons
 
   sdiree_configure_tiles();
 
-  const size_t ldq = H * D * 2, k_strip = D * 32, v_strip = vk * 32; /* bytes */
+  const size_t ldq = 2 * DV_MAX * 2, k_strip = D * 32, v_strip = vk * 32; /* bytes */
   const __m512 limit = _mm512_set1_ps(1 << (int)SLACK);
   for (size_t kb = 0; kb < NK; kb += KB) {
     const size_t len = NK - kb < KB ? NK - kb : KB;
