@@ -7,8 +7,9 @@ them back three times; at SD 1.5's 64x64 level that traffic cost more than the p
 graph only pads and packs the keys and values: each head's keys zero-padded to a head dim that
 is a multiple of 32 and packed as the B operand of q k^T, its values likewise as the B operand
 of p v (amx_matmul.pack_b). q goes in as the projection wrote it (f32): each workgroup scales
-its rows (by log2(e) too: the kernel's softmax takes powers of 2), casts and pads them itself. The result is [batch*heads, queries, dim], bf16 (the output projection's
-operand) or float32 with `amx_operands: bf16x3`.
+its rows (by log2(e) too: the kernel's softmax takes powers of 2), casts and pads them itself.
+The result is [batch*heads, queries, dim], bf16 (the output projection's operand) or float32
+with `amx_operands: bf16x3`.
 
 Key counts that are not a multiple of 32 (cross-attention's 77 text tokens) are zero-padded to
 one, and the kernel takes the real count: the padded keys' scores are masked out before its

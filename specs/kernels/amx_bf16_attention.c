@@ -48,6 +48,11 @@
 #define SLACK 8.0f   /* how far (base 2) scores may pass a row's reference max */
 #define MASKED -30000.0f /* a padded key's score: its exponential is 0 */
 
+/* The lanes of a 16-wide vector starting at column c of a row whose first n columns count. */
+static inline __mmask16 sdiree_lanes_before(size_t n, size_t c) {
+  return (__mmask16)(c >= n ? 0 : n - c >= 16 ? 0xFFFFu : (1u << (n - c)) - 1);
+}
+
 /* p[r] = 2^(s[r] - m) for one row's len scores (bf16, with split its lo parts too at lo
    elements past p), their sum returned as 16 lanes. */
 static inline __m512 sdiree_softmax_row(const float *s, float m, uint16_t *p, size_t lo,
@@ -94,8 +99,7 @@ int sdiree_amx_bf16_attention_workgroup(const float *q, size_t q_offset, const u
   for (int r = 0; r < QB; ++r) {
     const float *src = q + q_offset + (first + (size_t)r * H) * DQ;
     for (size_t c = 0; c < part; c += 16) {
-      const __mmask16 in =
-          (__mmask16)(c >= DQ ? 0 : DQ - c >= 16 ? 0xFFFFu : (1u << (DQ - c)) - 1);
+      const __mmask16 in = sdiree_lanes_before(DQ, c);
       const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, src + c), _mm512_set1_ps(qscale));
       sdiree_store_bf16x16(&qa[r][c], x, split ? part : 0);
     }
@@ -132,7 +136,7 @@ int sdiree_amx_bf16_attention_workgroup(const float *q, size_t q_offset, const u
       const size_t real = NKV > kb ? NKV - kb : 0;
       for (int r = 0; r < QB; ++r)
         for (size_t c = real & ~(size_t)15; c < len; c += 16) {
-          const __mmask16 pad = (__mmask16)(0xFFFFu << (c < real ? real - c : 0));
+          const __mmask16 pad = (__mmask16)~sdiree_lanes_before(real, c);
           _mm512_mask_storeu_ps(&s[r][c], pad, _mm512_set1_ps(MASKED));
         }
     }
@@ -171,7 +175,7 @@ int sdiree_amx_bf16_attention_workgroup(const float *q, size_t q_offset, const u
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(l[r])));
     const size_t row = r * H * DO;
     for (size_t c = 0; c < DO; c += 16) {
-      const __mmask16 in = (__mmask16)(DO - c >= 16 ? 0xFFFFu : (1u << (DO - c)) - 1);
+      const __mmask16 in = sdiree_lanes_before(DO, c);
       const __m512 y = _mm512_mul_ps(_mm512_load_ps(&acc[r][c]), inv);
       if (split)
         _mm512_mask_storeu_ps((float *)o + o_offset + first * DO + row + c, in, y);
