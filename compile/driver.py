@@ -259,6 +259,8 @@ class Builder:
         if path.is_file() and self.signature_path(submodule).is_file():
             self.r.reused("export", submodule)
             return path
+        from .exporters import kernel_isa
+        from .exporters.amx_matmul import set_kernel_isa
         from .exporters.base import export_to_mlir
 
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -269,6 +271,8 @@ class Builder:
             self.r.reused("export", submodule, "exported before for a model of this architecture")
             return path
         with self.r.stage("export", submodule):
+            # the kernel objects its kernel ops link (export choice `kernel_isa`)
+            set_kernel_isa(kernel_isa(self.export_options(submodule)))
             with atomic_path(path) as tmp:
                 export_to_mlir(xplan, tmp)
             sidecar = {"functions": xplan.signature_json(), "derived": xplan.derived}

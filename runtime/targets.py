@@ -355,12 +355,21 @@ EXPORT_CHOICES = {
     # the AMX kernels' operands: bf16, or each f32 value as two bf16 parts, three products
     # (fp32-class results; compile/exporters/amx_matmul.py)
     "amx_operands": ("bf16", "bf16x3"),
+    # the instruction set of sdiree's kernels: AMX's tiles, or AVX-512 bf16 dot products on a
+    # CPU without AMX (compile/exporters/amx_matmul.py KERNEL_ISAS)
+    "kernel_isa": ("amx", "avx512_bf16"),
+    # under matmul_kernel amx, the UNet's wide 3x3 convs on the direct conv kernel, or none of
+    # them: all Winograd (compile/exporters/conv_matmul.py DIRECT_CONVS)
+    "direct_convs": ("wide", "none"),
 }
 # positive integers, in submodule_export.unet only: F(4x4) from this input side; plain matmuls
 # where the input side is at most the latent's / this
 UNET_ONLY_EXPORT = ("winograd4_min_side", "plain_from_downscale")
 # choices that only some submodules take other than their default: {choice: (submodules, default)}
-ONE_SUBMODULE_EXPORT = {"layout": (("vae_decoder", "unet"), "native")}
+ONE_SUBMODULE_EXPORT = {
+    "layout": (("vae_decoder", "unet"), "native"),
+    "direct_convs": (("unet",), "wide"),
+}
 # positive integers, any submodule: Winograd convs one matmul per tile element from this side;
 # `chunked` attention's score block budget in bytes
 SIDE_EXPORT = ("winograd_split_min_side", "attention_block_bytes")

@@ -41,6 +41,18 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 
+@pytest.fixture(params=["amx", "avx512_bf16"])
+def kernel_isa(request):
+    """Each of sdiree's kernel instruction sets in turn (export choice `kernel_isa`) for the
+    traces of a test: AMX's tiles, and AVX-512 bf16 dot products (kernels/amx_support.h)."""
+    pytest.importorskip("torch")
+    from sdiree.compile.exporters.amx_matmul import set_kernel_isa
+
+    set_kernel_isa(request.param)
+    yield request.param
+    set_kernel_isa("amx")
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     pytest.importorskip("torch")

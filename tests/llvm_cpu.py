@@ -28,16 +28,26 @@ def host_has_amx() -> bool:
     return {"amx_tile", "amx_bf16"} <= host_cpu_features()
 
 
+def host_runs_kernels() -> bool:
+    """Whether this CPU runs sdiree's kernels as the traces link them now (the `kernel_isa` that
+    compile/exporters/amx_matmul.py's set_kernel_isa set: AMX's, or AVX-512 bf16's)."""
+    from sdiree.compile.exporters import KERNEL_FEATURES
+    from sdiree.compile.exporters.amx_matmul import current_kernel_isa
+    from sdiree.runtime.cpu_features import host_cpu_features
+
+    return set(KERNEL_FEATURES[current_kernel_isa()]) <= host_cpu_features()
+
+
 def run_amx_main(
     mlir: str, *inputs: np.ndarray, kernel: str = "sdiree_amx_bf16_matmul_workgroup"
 ) -> np.ndarray | None:
-    """Compile a module that links one of sdiree's AMX kernels (compile/exporters/amx_matmul.py,
-    attention_amx.py) and call its main where this CPU has AMX; elsewhere cross-compile it for an
-    AMX CPU (the kernel must link) and return None."""
-    cpu = "host" if host_has_amx() else "sapphirerapids"
-    vmfb = compile_main(mlir, DATA_TILING, cpu)
+    """Compile a module that links one of sdiree's kernels (compile/exporters/amx_matmul.py,
+    attention_amx.py) and call its main where this CPU runs them (host_runs_kernels); elsewhere
+    cross-compile it for an AMX CPU (the kernel must link) and return None."""
+    runs = host_runs_kernels()
+    vmfb = compile_main(mlir, DATA_TILING, "host" if runs else "sapphirerapids")
     assert kernel.encode() in vmfb
-    return call_main(vmfb, *inputs) if host_has_amx() else None
+    return call_main(vmfb, *inputs) if runs else None
 
 
 def call_main(vmfb: bytes, *inputs: np.ndarray) -> np.ndarray:

@@ -71,34 +71,43 @@ def ensure_kernels(options: dict) -> None:
     lost them (a cached export names them by path: compile/kernel_objects.py)."""
     from . import amx_matmul, attention_amx, group_norm_kernel
 
+    isa = kernel_isa(options)
     if uses_amx(options):
-        amx_matmul.object_path()
+        amx_matmul.object_path(amx_matmul.KERNEL, isa)
     if options.get("matmul_kernel") == "amx":
-        amx_matmul.object_path(attention_amx.KERNEL)
-        amx_matmul.object_path(group_norm_kernel.KERNEL)
+        amx_matmul.object_path(attention_amx.KERNEL, isa)
+        amx_matmul.object_path(group_norm_kernel.KERNEL, isa)
 
 
 def uses_amx(options: dict) -> bool:
+    """Whether an export with these choices links sdiree's kernels (the `amx` ones, whichever
+    their `kernel_isa`)."""
     return options.get("linear") == "amx" or options.get("matmul_kernel") == "amx"
 
 
-# the CPU features sdiree's AMX kernels execute (the manifest's `cpu_requires`): AMX's tiles, and
-# the AVX-512 of their epilogues (kernels/amx_support.h; every CPU with AMX has it so far)
-AMX_FEATURES = (
-    "amx_bf16",
-    "amx_tile",
-    "avx512_bf16",
-    "avx512bw",
-    "avx512dq",
-    "avx512f",
-    "avx512vl",
-)
+def kernel_isa(options: dict) -> str:
+    """The instruction set of the kernels an export links (export choice `kernel_isa`)."""
+    return options.get("kernel_isa", "amx")
+
+
+# the CPU features sdiree's kernels execute per `kernel_isa` (the manifest's `cpu_requires`): the
+# AVX-512 of their epilogues and products (kernels/amx_support.h), and AMX's tiles for `amx`
+# (every CPU with AMX has the AVX-512 so far)
+AVX512_FEATURES = ("avx512_bf16", "avx512bw", "avx512dq", "avx512f", "avx512vl")
+KERNEL_FEATURES = {
+    "amx": ("amx_bf16", "amx_tile", *AVX512_FEATURES),
+    "avx512_bf16": AVX512_FEATURES,
+}
 
 
 def cpu_requires(options_by_submodule) -> list[str]:
     """The CPU features the modules of an export need beyond what iree's own code checks: those
     of the hand-written kernels they link."""
-    return list(AMX_FEATURES) if any(uses_amx(o) for o in options_by_submodule) else []
+    need = set()
+    for o in options_by_submodule:
+        if uses_amx(o):
+            need.update(KERNEL_FEATURES[kernel_isa(o)])
+    return sorted(need)
 
 
 def scope_for(submodule: str) -> str:
@@ -183,6 +192,7 @@ def _plan_for(builder, submodule: str, model):
             added_conditioning=added_conditioning(p),
             transformer=options.get("transformer", "native"),
             layout=options.get("layout", "native"),
+            direct_convs=options.get("direct_convs", "wide"),
         )
     for key in UNET_ONLY_EXPORT:
         if key in options:

@@ -26,17 +26,33 @@ from __future__ import annotations
 import torch
 
 KERNEL = "amx_bf16_matmul"
-# what the kernels use: AMX's tiles, and AVX-512 (with bf16 conversions) for their epilogues;
-# every CPU with AMX has them
-ISA_FLAGS = (
-    "-mamx-tile",
-    "-mamx-bf16",
-    "-mavx512f",
-    "-mavx512dq",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512bf16",
-)
+# AVX-512 with bf16 conversions and dot products: the kernels' epilogues, and on a CPU without AMX
+# their products too
+AVX512_FLAGS = ("-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
+# the kernels' instruction sets, export choice `kernel_isa`: {isa: C compiler flags}. `amx`: the
+# 32x32 blocks on AMX's tiles (every CPU with AMX has the AVX-512 too); `avx512_bf16`: the same
+# kernels with their blocks in L1 and vdpbf16ps products (kernels/amx_support.h), for a CPU with
+# avx512_bf16 and no AMX (AMD Zen 4 and 5)
+KERNEL_ISAS = {
+    "amx": ("-mamx-tile", "-mamx-bf16", *AVX512_FLAGS),
+    "avx512_bf16": ("-DSDIREE_KERNEL_AVX512", *AVX512_FLAGS),
+}
+# the instruction set this process's traces link (set_kernel_isa, before an export)
+_isa = ["amx"]
+
+
+def set_kernel_isa(isa: str) -> None:
+    """The kernel objects that the kernel ops traced from now on link (export choice
+    `kernel_isa`)."""
+    if isa not in KERNEL_ISAS:
+        raise ValueError(f"kernel_isa {isa!r}: one of {', '.join(KERNEL_ISAS)}")
+    _isa[0] = isa
+
+
+def current_kernel_isa() -> str:
+    return _isa[0]
+
+
 # one workgroup's block of C: the kernel's SDIREE_AMX_MB x SDIREE_AMX_NB (its defaults, the conv's
 # and GEGLU's)
 BLOCK_M, BLOCK_N = 128, 64
@@ -259,11 +275,12 @@ _TEMPLATE = (
 )
 
 
-def object_path(kernel: str = KERNEL) -> str:
-    """A kernel's object (built once into the user cache: compile/kernel_objects.py)."""
+def object_path(kernel: str = KERNEL, isa: str | None = None) -> str:
+    """A kernel's object for isa (set_kernel_isa's where None), built once into the user cache
+    (compile/kernel_objects.py)."""
     from ..kernel_objects import build_object
 
-    return str(build_object(kernel, ISA_FLAGS))
+    return str(build_object(kernel, KERNEL_ISAS[isa or _isa[0]]))
 
 
 def select_static(ksel, tensors: int, attrs: int, result) -> None:

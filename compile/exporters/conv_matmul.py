@@ -162,6 +162,12 @@ def tiles_by_side(
     return {conv: tile(side) for conv, side in sides.items()}
 
 
+# export choice `direct_convs` (the UNet's, under `matmul_kernel: amx`): `wide`, the 3x3 convs
+# direct_convs() picks on the direct conv kernel; `none`, every 3x3 conv Winograd, its products on
+# the matmul kernel (fewer products: where they are dear, on vdpbf16ps without AMX)
+DIRECT_CONVS = ("wide", "none")
+
+
 def direct_convs(model: torch.nn.Module, sides: dict | None = None) -> set:
     """The convs of model that take the AMX conv kernel under `matmul_kernel: amx`: those it
     fits whose input side (sides: {conv: side}, from conv_input_sides) is at least MIN_WIDTH;
@@ -178,14 +184,15 @@ def set_conv_lowering(
     split_min_side: int | None = None,
     matmul_kernel: str = "iree",
     sides: dict | None = None,
+    direct_choice: str = "wide",
 ) -> str | None:
     """Apply the target's `export.conv` choice to every Conv2d of model, with tiles ({conv:
     m}, Winograd choices only) overriding the choice's tile per conv; winograd_output and
     split_min_side and matmul_kernel (export choices `winograd_output`,
     `winograd_split_min_side`, `matmul_kernel`) are conv2d_winograd's. Under `matmul_kernel:
     amx` the 3x3 convs of direct_convs(model, sides) take the AMX conv kernel instead, with no
-    transformed weight. Returns a tag naming the derived parameters it added (None when it added
-    none)."""
+    transformed weight, unless direct_choice (export choice `direct_convs`) is `none`. Returns a
+    tag naming the derived parameters it added (None when it added none)."""
     if conv not in CONV_CHOICES:
         raise ValueError(f"export conv choice must be one of {CONV_CHOICES}, not {conv!r}")
     if winograd_output not in WINOGRAD_OUTPUTS:
@@ -198,7 +205,10 @@ def set_conv_lowering(
         raise ValueError(f"per-conv Winograd tiles need a Winograd conv choice, not {conv!r}")
     if conv == "native":
         return None
-    direct = direct_convs(model, sides) if matmul_kernel == "amx" else set()
+    if direct_choice not in DIRECT_CONVS:
+        raise ValueError(f"export direct_convs choice must be one of {DIRECT_CONVS}")
+    wide = matmul_kernel == "amx" and direct_choice == "wide"
+    direct = direct_convs(model, sides) if wide else set()
     if direct and m:
         tiles = {**(tiles or {}), **{c: 0 for c in direct}}  # no transformed weight
     convs_as_matmuls(model, conv, tiles, winograd_output, split_min_side, matmul_kernel, direct)

@@ -107,6 +107,7 @@ def plan_unet(
     transformer: str = "native",
     matmul_kernel: str = "iree",
     layout: str = "native",
+    direct_convs: str = "wide",
 ) -> ExportPlan:
     from .unet_channels_last import unsupported
     from .vae_channels_last import LAYOUTS
@@ -139,7 +140,14 @@ def plan_unet(
     set_attention(unet, attention, attention_block_bytes, matmul_kernel)
     cat_text_time_embedding(unet)
     derived = set_conv_lowering(
-        unet, conv, tiles, winograd_output, winograd_split_min_side, matmul_kernel, sides
+        unet,
+        conv,
+        tiles,
+        winograd_output,
+        winograd_split_min_side,
+        matmul_kernel,
+        sides,
+        direct_convs,
     )
     set_transformer_layout(unet, transformer)
     group_norms_in_fp32(unet, dtype)

@@ -120,17 +120,22 @@ int sdiree_amx_bf16_attention_workgroup(const float *q, size_t q_offset, const u
   }
 
   sdiree_configure_tiles();
+  sdiree_acc tiles;
 
   const size_t ldq = 2 * DV_MAX * 2, k_strip = D * 32, v_strip = vk * 32; /* bytes */
   const __m512 limit = _mm512_set1_ps(1 << (int)SLACK);
+  /* the scores' depth: D, or without split the real head dim DQ rounded up to the blocks' depth
+     step, the rest of D being q's zero padding */
+  const size_t dq_step = (DQ + SDIREE_DEPTH_STEP - 1) / SDIREE_DEPTH_STEP * SDIREE_DEPTH_STEP;
+  const size_t qk_depth = split || dq_step > D ? D : dq_step;
   for (size_t kb = 0; kb < NK; kb += KB) {
     const size_t len = NK - kb < KB ? NK - kb : KB;
     /* s = q k^T for keys [kb, kb + len), 32 x 32 at a time */
     for (size_t n = 0; n < len; n += 32) {
       const uint8_t *b0 = kh + ((kb + n) / 16) * k_strip;
-      sdiree_zero_32x32();
-      sdiree_dp_any_32x32(qh, ldq, b0, b0 + k_strip, D, (int)split);
-      sdiree_store_32x32(&s[0][n], KB * 4);
+      sdiree_zero_32x32(&tiles);
+      sdiree_dp_any_32x32(&tiles, qh, ldq, b0, b0 + k_strip, qk_depth, (int)split);
+      sdiree_store_32x32(&tiles, &s[0][n], KB * 4);
     }
     if (kb + len > NKV) { /* padded keys out */
       const size_t real = NKV > kb ? NKV - kb : 0;
@@ -161,15 +166,15 @@ int sdiree_amx_bf16_attention_workgroup(const float *q, size_t q_offset, const u
     /* acc += p v for the same keys */
     for (size_t n = 0; n < DV; n += 32) {
       const uint8_t *b0 = vh + (n / 16) * v_strip + kb * 32;
-      sdiree_load_32x32(&acc[0][n], DV_MAX * 4);
+      sdiree_load_32x32(&tiles, &acc[0][n], DV_MAX * 4);
       if (split)
-        sdiree_dp3_32x32(&p[0][0][0], QB * KB * 2, KB * 2, b0, b0 + v_strip, NK * 32, len);
+        sdiree_dp3_32x32(&tiles, &p[0][0][0], QB * KB * 2, KB * 2, b0, b0 + v_strip, NK * 32, len);
       else
-        sdiree_dp_32x32(&p[0][0][0], KB * 2, b0, b0 + v_strip, len);
-      sdiree_store_32x32(&acc[0][n], DV_MAX * 4);
+        sdiree_dp_32x32_cols(&tiles, &p[0][0][0], KB * 2, b0, b0 + v_strip, len, DO - n);
+      sdiree_store_32x32(&tiles, &acc[0][n], DV_MAX * 4);
     }
   }
-  _tile_release();
+  sdiree_release_tiles();
 
   for (int r = 0; r < QB; ++r) {
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(l[r])));

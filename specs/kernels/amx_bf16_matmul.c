@@ -73,6 +73,7 @@ static inline void sdiree_taps_workgroup(const uint16_t *a, const uint16_t *b, f
                                          const sdiree_conv_epilogue *ep, size_t MB, size_t NB,
                                          int split, size_t wg_n, size_t wg_m) {
   sdiree_configure_tiles();
+  sdiree_acc tiles;
   float blk[32][32] __attribute__((aligned(64)));
   const size_t m_begin = wg_m * MB, n_begin = wg_n * NB;
   const size_t m_end = m_begin + MB < M ? m_begin + MB : M;
@@ -85,19 +86,19 @@ static inline void sdiree_taps_workgroup(const uint16_t *a, const uint16_t *b, f
   for (size_t i = 0; i < steps_m * steps_n; ++i) {
     const size_t n = n_begin + 32 * (rows_outer ? i % steps_n : i / steps_m);
     const size_t m = m_begin + 32 * (rows_outer ? i / steps_n : i % steps_m);
-    sdiree_zero_32x32();
+    sdiree_zero_32x32(&tiles);
     for (size_t t = 0; t < taps; ++t) {
       const uint8_t *b0 = (const uint8_t *)b + t * tap_bytes + (n / 16) * strip;
-      sdiree_dp_any_32x32(a + (m + shifts[t]) * K, lda, b0, b0 + strip, K, split);
+      sdiree_dp_any_32x32(&tiles, a + (m + shifts[t]) * K, lda, b0, b0 + strip, K, split);
     }
     if (ep) {
-      sdiree_store_32x32(&blk[0][0], 128);
+      sdiree_store_32x32(&tiles, &blk[0][0], 128);
       sdiree_conv_store(ep, blk, m, n, N);
     } else {
-      sdiree_store_32x32(c + m * N + n, ldc);
+      sdiree_store_32x32(&tiles, c + m * N + n, ldc);
     }
   }
-  _tile_release();
+  sdiree_release_tiles();
 }
 
 int sdiree_amx_bf16_matmul_workgroup(const uint16_t *a, size_t a_offset, const uint16_t *b,
@@ -147,6 +148,7 @@ int sdiree_amx_bf16_geglu_workgroup(const uint16_t *a, size_t a_offset, const ui
   const size_t lo = split ? N / 2 : 0; /* the output's lo parts, after its hi ones */
   out += out_offset + wg_n * 32;
   sdiree_configure_tiles();
+  sdiree_acc tiles;
   float vg[2][32][32] __attribute__((aligned(64))); /* value, gate: one 32 x 32 block each */
   const size_t m_begin = wg_m * SDIREE_AMX_MB;
   const size_t m_end = m_begin + SDIREE_AMX_MB < M ? m_begin + SDIREE_AMX_MB : M;
@@ -155,9 +157,9 @@ int sdiree_amx_bf16_geglu_workgroup(const uint16_t *a, size_t a_offset, const ui
   for (size_t m = m_begin; m < m_end; m += 32) {
     for (int half = 0; half < 2; ++half) {
       const uint8_t *b0 = bw + half * 2 * strip;
-      sdiree_zero_32x32();
-      sdiree_dp_any_32x32(a + m * K, lda, b0, b0 + strip, K, (int)split);
-      sdiree_store_32x32(&vg[half][0][0], 128);
+      sdiree_zero_32x32(&tiles);
+      sdiree_dp_any_32x32(&tiles, a + m * K, lda, b0, b0 + strip, K, (int)split);
+      sdiree_store_32x32(&tiles, &vg[half][0][0], 128);
     }
     for (int r = 0; r < 32; ++r) {
       for (int c = 0; c < 32; c += 16) {
@@ -171,7 +173,7 @@ int sdiree_amx_bf16_geglu_workgroup(const uint16_t *a, size_t a_offset, const ui
       }
     }
   }
-  _tile_release();
+  sdiree_release_tiles();
   return 0;
 }
 

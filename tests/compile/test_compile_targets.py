@@ -301,7 +301,7 @@ def _probe_registry(tmp_path, features, note=None):
     specs = tmp_path / "specs"
     shutil.copytree(default_specs_dir(), specs)
     data = json.loads((specs / "targets.json").read_text())
-    base = ["avx2", "fma", "avx512f", "avx512_bf16"]
+    base = ["avx2", "fma", "avx512f"]
     data["targets"]["cpu"]["arches"]["probe"] = {"flags": [], "cpu_features": [*base, *features]}
     if note:
         data["targets"]["cpu"]["dtype_options"]["bf16"]["notes_if_cpu_has"] = {"amx_bf16": note}
@@ -311,7 +311,11 @@ def _probe_registry(tmp_path, features, note=None):
 
 @pytest.mark.parametrize(
     "features,dtype,noted",
-    [(("amx_bf16",), "bf16", True), ((), "bf16", False), (("amx_bf16",), "fp32", False)],
+    [
+        (("amx_bf16", "avx512_bf16"), "bf16", True),
+        (("avx512_bf16",), "bf16", False),
+        (("amx_bf16", "avx512_bf16"), "fp32", False),
+    ],
 )
 def test_compile_says_a_dtypes_note_for_a_feature_the_cpu_has(
     tiny_model, tmp_path, features, dtype, noted
@@ -332,31 +336,50 @@ def test_compile_says_a_dtypes_note_for_a_feature_the_cpu_has(
     assert ("probe note: this CPU has AMX" in said.getvalue()) == noted
 
 
+AMX_CPU = ("amx_tile", "amx_bf16", "avx512_bf16")
+
+
 @pytest.mark.parametrize(
-    "features,dtype,amx",
+    "features,dtype,isa",
     [
-        (("amx_tile", "amx_bf16"), "bf16", True),
-        ((), "bf16", False),
-        (("amx_tile", "amx_bf16"), "fp32", True),
-        ((), "fp32", False),
+        (AMX_CPU, "bf16", "amx"),
+        (("amx_tile", "amx_bf16"), "bf16", "amx"),
+        (("avx512_bf16",), "bf16", "avx512_bf16"),
+        ((), "bf16", None),
+        (AMX_CPU, "fp32", "amx"),
+        (("avx512_bf16",), "fp32", None),
+        ((), "fp32", None),
     ],
 )
-def test_unets_linears_take_the_amx_kernel_on_an_amx_cpu(tmp_path, features, dtype, amx):
-    """cpu bf16 and fp32 on a CPU with AMX (`if_cpu_has.amx_bf16`): the UNet's linears, and the
-    UNet's and the VAE's convs, split Winograd products and attention, go to sdiree's AMX
-    kernels (compile/exporters/linear_amx.py, amx_matmul.py), and the UNet runs channels-last,
-    fp32 with every operand as two bf16 parts (`amx_operands: bf16x3`); the text encoder and
-    CPUs without AMX keep iree's own and NCHW."""
+def test_unets_linears_take_the_kernels_on_an_amx_or_avx512_bf16_cpu(
+    tmp_path, features, dtype, isa
+):
+    """cpu bf16 and fp32 on a CPU with AMX (`if_cpu_has.amx_bf16`), and bf16 on one with
+    avx512_bf16 and no AMX (`if_cpu_has.avx512_bf16`, the kernels on vdpbf16ps: `kernel_isa`):
+    the UNet's linears, and the UNet's and the VAE's convs, split Winograd products and attention,
+    go to sdiree's kernels (compile/exporters/linear_amx.py, amx_matmul.py), and the UNet runs
+    channels-last, fp32 with every operand as two bf16 parts (`amx_operands: bf16x3`, AMX only);
+    the text encoder and other CPUs keep iree's own and NCHW."""
+    from sdiree.compile.exporters import cpu_requires, kernel_isa
     from sdiree.runtime.targets import load_registry
 
     cpu = load_registry(_probe_registry(tmp_path, features)).targets["cpu"]
     unet = cpu.export_for("unet", dtype, "probe")
+    amx = isa is not None
     assert (unet.get("linear") == "amx") == amx
     assert (unet.get("layout") == "channels_last") == amx
     split = amx and dtype == "fp32"
-    for sub in ("unet", "vae_decoder", "vae_encoder"):
+    subs = ("unet", "vae_decoder", "vae_encoder")
+    for sub in subs:
         assert (cpu.export_for(sub, dtype, "probe").get("matmul_kernel") == "amx") == amx
         assert (cpu.export_for(sub, dtype, "probe").get("amx_operands") == "bf16x3") == split
+        if amx:
+            assert kernel_isa(cpu.export_for(sub, dtype, "probe")) == isa
+    # without AMX products are dear: the UNet's convs all Winograd, none on the direct kernel
+    assert (unet.get("direct_convs") == "none") == (isa == "avx512_bf16")
+    needs = cpu_requires(cpu.export_for(sub, dtype, "probe") for sub in subs)
+    assert ("amx_tile" in needs) == (isa == "amx")
+    assert ("avx512_bf16" in needs) == amx
     assert "winograd4_min_side" not in unet or not amx  # its convs on the conv kernel
     for sub in ("text_encoder", "vae_decoder", "vae_encoder"):
         assert cpu.export_for(sub, dtype, "probe").get("linear") != "amx"
@@ -368,3 +391,24 @@ def test_unets_linears_take_the_amx_kernel_on_an_amx_cpu(tmp_path, features, dty
     assert not any(
         "outer-dim-concat=false" in f for f in cpu.compile_flags("probe", dtype, "vae_decoder")
     )
+
+
+def test_the_v4_bf16_preset_compiles_bf16_on_the_avx512_kernels_and_fp32_on_irees():
+    """`--arch x86-64-v4-bf16` (a Zen 4/5 CPU, from any machine): bf16 takes sdiree's kernels on
+    vdpbf16ps, never AMX; fp32 stays on iree's own code (bf16x3 needs AMX's rate)."""
+    from sdiree.compile.exporters import cpu_requires
+    from sdiree.runtime.targets import load_registry
+
+    cpu = load_registry().target("cpu")
+    unet = cpu.export_for("unet", "bf16", "x86-64-v4-bf16")
+    assert unet["kernel_isa"] == "avx512_bf16" and unet["linear"] == "amx"
+    assert unet["direct_convs"] == "none"
+    needs = cpu_requires(
+        cpu.export_for(s, "bf16", "x86-64-v4-bf16") for s in ("unet", "vae_decoder")
+    )
+    assert needs and not any(f.startswith("amx") for f in needs)
+    assert set(needs) <= cpu.arch("x86-64-v4-bf16").features()
+    flags = cpu.compile_flags("x86-64-v4-bf16", "bf16", "unet")
+    assert "--iree-llvmcpu-target-cpu=x86-64-v4" in flags
+    assert "--iree-llvmcpu-enable-ukernels=none" not in flags  # iree's bf16 ukernel stays on
+    assert "linear" not in cpu.export_for("unet", "fp32", "x86-64-v4-bf16")

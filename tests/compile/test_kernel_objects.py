@@ -26,8 +26,34 @@ def test_the_shipped_kernels_build_with_their_shared_header(monkeypatch, tmp_pat
 
     monkeypatch.setenv("SDIREE_CACHE", str(tmp_path))
     for name, flags in (
-        (amx_matmul.KERNEL, amx_matmul.ISA_FLAGS),
-        (attention_amx.KERNEL, amx_matmul.ISA_FLAGS),
+        (amx_matmul.KERNEL, amx_matmul.KERNEL_ISAS["amx"]),
+        (attention_amx.KERNEL, amx_matmul.KERNEL_ISAS["amx"]),
     ):
         obj = kernel_objects.build_object(name, flags)
         assert obj.read_bytes()[:4] == b"\x7fELF"
+
+
+def test_each_kernel_isa_builds_its_own_object(monkeypatch, tmp_path):
+    """Export choice `kernel_isa`: the same kernels on AMX's tiles, or on AVX-512 bf16 dot
+    products for a CPU without AMX (kernels/amx_support.h); two objects, and only the AMX one
+    holds AMX instructions."""
+    import shutil
+    import subprocess
+
+    from sdiree.compile.exporters import amx_matmul, attention_amx, group_norm_kernel
+
+    monkeypatch.setenv("SDIREE_CACHE", str(tmp_path))
+    objdump = shutil.which("objdump")
+    for name in (amx_matmul.KERNEL, attention_amx.KERNEL, group_norm_kernel.KERNEL):
+        amx, avx = (
+            kernel_objects.build_object(name, amx_matmul.KERNEL_ISAS[isa])
+            for isa in ("amx", "avx512_bf16")
+        )
+        assert amx != avx and amx.read_bytes() != avx.read_bytes()
+        if objdump and name != group_norm_kernel.KERNEL:  # the norms multiply nothing
+            code = {
+                o: subprocess.run([objdump, "-d", str(o)], capture_output=True, text=True).stdout
+                for o in (amx, avx)
+            }
+            assert "tdpbf16ps" in code[amx] and "tdpbf16ps" not in code[avx]
+            assert "vdpbf16ps" in code[avx] and "tile" not in code[avx]

@@ -249,16 +249,23 @@ def test_cpu_features_the_kernels_need_are_checked(art_copy, tmp_path):
 
 
 def test_an_amx_artifact_says_what_it_needs(compiled):
-    """A host bf16 artifact lists the features of the AMX kernels where its export links them:
-    AMX's, and the AVX-512 of the kernels' epilogues."""
+    """A host bf16 artifact lists the features of sdiree's kernels where its export links them:
+    on an AMX CPU AMX's and the AVX-512 of the kernels' epilogues, on one with avx512_bf16 and no
+    AMX (`kernel_isa: avx512_bf16`) that AVX-512 alone."""
     from sdiree.runtime.cpu_features import host_cpu_features
 
     m = json.loads((compiled.get("cpu", "host", "bf16") / "manifest.json").read_text())
-    amx = {"amx_bf16", "amx_tile"} <= host_cpu_features()
-    needs = ["amx_bf16", "amx_tile", "avx512_bf16", "avx512bw", "avx512dq", "avx512f", "avx512vl"]
-    assert m["target"].get("cpu_requires") == (needs if amx else None)
-    assert not amx or set(needs) <= host_cpu_features()  # names as this machine reports them
-    assert (m["submodules"]["unet"]["export"].get("linear") == "amx") == amx
+    have = host_cpu_features()
+    avx512 = ["avx512_bf16", "avx512bw", "avx512dq", "avx512f", "avx512vl"]
+    if {"amx_bf16", "amx_tile"} <= have:
+        needs = ["amx_bf16", "amx_tile", *avx512]
+    elif "avx512_bf16" in have:
+        needs = avx512
+    else:
+        needs = None
+    assert m["target"].get("cpu_requires") == needs
+    assert not needs or set(needs) <= have  # names as this machine reports them
+    assert (m["submodules"]["unet"]["export"].get("linear") == "amx") == bool(needs)
 
 
 def test_cpu_artifact_refuses_vulkan_device(cpu_art, tmp_path):

@@ -236,17 +236,19 @@ def test_compile_with_malformed_specs_is_one_line(specs, tmp_path):
 
 def test_export_choices_match_the_exporters():
     pytest.importorskip("torch")
-    from sdiree.compile.exporters.amx_matmul import AMX_OPERANDS
+    from sdiree.compile.exporters.amx_matmul import AMX_OPERANDS, KERNEL_ISAS
     from sdiree.compile.exporters.attention import ATTENTIONS
     from sdiree.compile.exporters.channels_first import TRANSFORMER_CHOICES
-    from sdiree.compile.exporters.conv_matmul import CONV_CHOICES
+    from sdiree.compile.exporters.conv_matmul import CONV_CHOICES, DIRECT_CONVS
     from sdiree.compile.exporters.linear_flat import LINEAR_CHOICES
     from sdiree.compile.exporters.vae_channels_last import LAYOUTS
     from sdiree.compile.exporters.winograd import MATMUL_KERNELS, WINOGRAD_OUTPUTS
     from sdiree.runtime.targets import EXPORT_CHOICES
 
-    assert EXPORT_CHOICES == {
+    want = {
         "attention": ATTENTIONS, "conv": CONV_CHOICES, "linear": LINEAR_CHOICES,
         "transformer": TRANSFORMER_CHOICES, "winograd_output": WINOGRAD_OUTPUTS,
         "layout": LAYOUTS, "matmul_kernel": MATMUL_KERNELS, "amx_operands": AMX_OPERANDS,
+        "kernel_isa": tuple(KERNEL_ISAS), "direct_convs": DIRECT_CONVS,
     }  # fmt: skip
+    assert want == EXPORT_CHOICES

@@ -70,7 +70,7 @@ def test_chunked_amx_attention_takes_the_fused_op_within_bf16_rounding():
         (1, 32, 200, 64),  # a last key block of 72 keys, 56 of them real
     ],
 )
-def test_exported_attention_is_one_kernel_dispatch_and_matches(bh, nq, nk, d):
+def test_exported_attention_is_one_kernel_dispatch_and_matches(bh, nq, nk, d, kernel_isa):
     iree_aot = pytest.importorskip("iree.turbine.aot")
     attention_amx.register()
 
@@ -86,7 +86,7 @@ def test_exported_attention_is_one_kernel_dispatch_and_matches(bh, nq, nk, d):
     assert text.count("flow.dispatch @sdiree_amx_attention_") == 1
     assert "sdiree_amx_matmul" not in text  # not the chunked path
     out = run_amx_main(text, q.numpy(), k.numpy(), v.numpy(), kernel=KERNEL_SYMBOL)
-    if out is None:  # this CPU lacks AMX: cross-compiled only
+    if out is None:  # this CPU lacks the kernels' ISA: cross-compiled only
         return
     want = _attention64(q, k, v, d**-0.5).numpy()
     assert out.shape == want.shape
@@ -99,7 +99,7 @@ def test_exported_attention_is_one_kernel_dispatch_and_matches(bh, nq, nk, d):
 
 
 @pytest.mark.parametrize("split", [0, 1])
-def test_scores_past_the_first_blocks_maxima_rescale(split):
+def test_scores_past_the_first_blocks_maxima_rescale(split, kernel_isa):
     """Keys that grow along the sequence: each later key block's scores pass the first block's
     row maxima by far more than the kernel's slack, so its rows move their references and
     rescale what they summed (both softmax paths: bf16 and bf16x3 operands)."""
@@ -148,7 +148,7 @@ def test_heads_in_place_is_attention_per_head(nk):
     assert _rel(got, want) < 2e-2
 
 
-def test_exported_heads_in_place_read_and_write_strided_rows():
+def test_exported_heads_in_place_read_and_write_strided_rows(kernel_isa):
     iree_aot = pytest.importorskip("iree.turbine.aot")
     attention_amx.register()
 

@@ -59,7 +59,7 @@ def test_eager_conv_is_torchs_on_bf16_operands_and_narrow_inputs_take_im2col():
 @pytest.mark.parametrize(
     "n,h,w,c,o", [(2, 6, 32, 64, 96), (1, 4, 40, 32, 64), (1, 3, 32, 4, 64), (2, 2, 32, 64, 3)]
 )
-def test_exported_conv_is_one_kernel_dispatch_and_matches(n, h, w, c, o):
+def test_exported_conv_is_one_kernel_dispatch_and_matches(n, h, w, c, o, kernel_isa):
     iree_aot = pytest.importorskip("iree.turbine.aot")
     register()
     conv_amx.register()
@@ -79,7 +79,7 @@ def test_exported_conv_is_one_kernel_dispatch_and_matches(n, h, w, c, o):
     assert text.count("flow.dispatch @sdiree_amx_conv3x3o_") == 1
     assert "sdiree_amx_matmul" not in text
     out = run_amx_main(text, xh.numpy(), kernel=KERNEL_SYMBOL)
-    if out is None:  # this CPU lacks AMX: cross-compiled only
+    if out is None:  # this CPU lacks the kernels' ISA: cross-compiled only
         return
     want = _bf16_conv(conv, xh).numpy()
     assert out.shape == want.shape
@@ -87,7 +87,7 @@ def test_exported_conv_is_one_kernel_dispatch_and_matches(n, h, w, c, o):
 
 
 @pytest.mark.parametrize("add_rows,residual", [(2, True), (1, False)])
-def test_epilogue_adds_a_row_per_image_and_the_residual(add_rows, residual):
+def test_epilogue_adds_a_row_per_image_and_the_residual(add_rows, residual, kernel_isa):
     """conv3x3_amx_padded's epilogue: the bias plus a vector per image (a resnet's time
     embedding) or one for all, plus the residual (its skip), on the real pixels only."""
     iree_aot = pytest.importorskip("iree.turbine.aot")
@@ -117,6 +117,6 @@ def test_epilogue_adds_a_row_per_image_and_the_residual(add_rows, residual):
     text = str(iree_aot.export(Conv(), args=(xh, add, res)).mlir_module)
     assert text.count("flow.dispatch @sdiree_amx_conv3x3o") == 1
     out = run_amx_main(text, xh.numpy(), add.numpy(), res.numpy(), kernel=KERNEL_SYMBOL)
-    if out is None:  # this CPU lacks AMX: cross-compiled only
+    if out is None:  # this CPU lacks the kernels' ISA: cross-compiled only
         return
     assert np.abs(out - want.numpy()).max() / np.abs(want.numpy()).max() < 1e-5

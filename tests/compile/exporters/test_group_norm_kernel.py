@@ -107,7 +107,7 @@ def test_resnet_norm_silu_conv_reads_the_kernels_padded_rows():
 
 
 @pytest.mark.parametrize("n,h,w,c,pad,silu", [(2, 11, 64, 96, 0, 1), (1, 5, 32, 64, 1, 1)])
-def test_exported_norm_is_two_kernel_dispatches_and_matches(n, h, w, c, pad, silu):
+def test_exported_norm_is_two_kernel_dispatches_and_matches(n, h, w, c, pad, silu, kernel_isa):
     iree_aot = pytest.importorskip("iree.turbine.aot")
     norm = _norm(c, 8, n + h)
     tail = conv_amx.padded_rows(n, h, w)[2] if pad else 0
@@ -125,7 +125,7 @@ def test_exported_norm_is_two_kernel_dispatches_and_matches(n, h, w, c, pad, sil
     assert text.count("flow.dispatch @sdiree_group_norm_stats_") == 1
     assert text.count("flow.dispatch @sdiree_group_norm_apply_") == 1
     out = run_amx_main(text, xh.numpy(), kernel=APPLY)
-    if out is None:  # this CPU lacks AMX: cross-compiled only
+    if out is None:  # this CPU lacks the kernels' ISA: cross-compiled only
         return
     with torch.no_grad():
         eager = Norm()(xh).numpy()
@@ -138,7 +138,7 @@ def test_exported_norm_is_two_kernel_dispatches_and_matches(n, h, w, c, pad, sil
         assert not rest.any()
 
 
-def test_layer_norm_kernel_is_torchs_within_bf16_eagerly_and_compiled():
+def test_layer_norm_kernel_is_torchs_within_bf16_eagerly_and_compiled(kernel_isa):
     """The transformer blocks' LayerNorm on its kernel (layer_norm_kernel.py): one dispatch,
     torch's LayerNorm rounded to bf16; rows that are not a multiple of the workgroup's block."""
     iree_aot = pytest.importorskip("iree.turbine.aot")
@@ -167,7 +167,7 @@ def test_layer_norm_kernel_is_torchs_within_bf16_eagerly_and_compiled():
     text = str(iree_aot.export(Norm(), args=(x,)).mlir_module)
     assert text.count("flow.dispatch @sdiree_layer_norm_") == 1
     out = run_amx_main(text, x.numpy(), kernel="sdiree_layer_norm_workgroup")
-    if out is None:  # this CPU lacks AMX: cross-compiled only
+    if out is None:  # this CPU lacks the kernels' ISA: cross-compiled only
         return
     assert np.mean(out != eager.numpy()) < 0.01
     assert np.abs(out - eager.numpy()).max() <= 2**-7 * np.abs(eager.numpy()).max()

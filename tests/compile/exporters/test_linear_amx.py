@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from llvm_cpu import run_amx_main  # noqa: E402
 
-from sdiree.compile.exporters.amx_matmul import ISA_FLAGS, fits, pack_b, unpack_b  # noqa: E402
+from sdiree.compile.exporters.amx_matmul import KERNEL_ISAS, fits, pack_b, unpack_b  # noqa: E402
 from sdiree.compile.exporters.linear_flat import set_linear_lowering  # noqa: E402
 
 
@@ -80,7 +80,7 @@ def test_amx_linears_compute_bf16_products_and_keep_the_others():
     assert set_linear_lowering(model, "native") == 3
 
 
-def test_exported_module_dispatches_to_the_kernel_and_matches_torch():
+def test_exported_module_dispatches_to_the_kernel_and_matches_torch(kernel_isa):
     iree_aot = pytest.importorskip("iree.turbine.aot")
     torch.manual_seed(1)
     model = Block()
@@ -92,7 +92,7 @@ def test_exported_module_dispatches_to_the_kernel_and_matches_torch():
     assert text.count("util.call @sdiree_amx_matmul_") == 2
     assert "hal.executable.object" in text and "amx_bf16_matmul-" in text
     out = run_amx_main(text, x.numpy())
-    if out is None:  # this CPU lacks AMX: cross-compiled only
+    if out is None:  # this CPU lacks the kernels' ISA: cross-compiled only
         return
     # the same bf16 products; what differs is where GELU's output is rounded to bf16
     assert np.abs(out - want).max() / np.abs(want).max() < 2e-3
@@ -105,7 +105,7 @@ def test_no_c_compiler_is_one_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("SDIREE_CACHE", str(tmp_path))
     monkeypatch.setattr(kernel_objects, "c_compiler", lambda: None)
     with pytest.raises(UserError, match=r"needs a C compiler .*install gcc or clang"):
-        kernel_objects.build_object("amx_bf16_matmul", ISA_FLAGS)
+        kernel_objects.build_object("amx_bf16_matmul", KERNEL_ISAS["amx"])
     assert not list(tmp_path.rglob("*.o"))
 
 
@@ -113,15 +113,15 @@ def test_the_kernel_object_is_built_once_and_cached(monkeypatch, tmp_path):
     from sdiree.compile import kernel_objects
 
     monkeypatch.setenv("SDIREE_CACHE", str(tmp_path))
-    first = kernel_objects.build_object("amx_bf16_matmul", ISA_FLAGS)
+    first = kernel_objects.build_object("amx_bf16_matmul", KERNEL_ISAS["amx"])
     assert first.is_file() and first.read_bytes()[:4] == b"\x7fELF"
     stamp = first.stat().st_mtime_ns
-    again = kernel_objects.build_object("amx_bf16_matmul", ISA_FLAGS)
+    again = kernel_objects.build_object("amx_bf16_matmul", KERNEL_ISAS["amx"])
     assert again == first and again.stat().st_mtime_ns == stamp
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temp left
 
 
-def test_geglu_is_one_kernel_dispatch_with_its_gelu_and_bf16_output():
+def test_geglu_is_one_kernel_dispatch_with_its_gelu_and_bf16_output(kernel_isa):
     iree_aot = pytest.importorskip("iree.turbine.aot")
     from diffusers.models.activations import GEGLU
 
@@ -167,7 +167,7 @@ def test_feed_forward_takes_the_geglu_result_in_bf16():
         assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
 
 
-def test_both_workgroup_blocks_give_the_product():
+def test_both_workgroup_blocks_give_the_product(kernel_isa):
     """A small weight's matmul runs in wide row-major blocks, a larger one's in the default
     strip-major blocks (amx_matmul.block_for); both compiled give the bf16 product."""
     iree_aot = pytest.importorskip("iree.turbine.aot")
@@ -184,7 +184,7 @@ def test_both_workgroup_blocks_give_the_product():
     text = str(iree_aot.export(model, args=(x,)).mlir_module)
     assert text.count("flow.dispatch @sdiree_amx_matmul_") == 2
     out = run_amx_main(text, x.numpy())
-    if out is None:  # this CPU lacks AMX: cross-compiled only
+    if out is None:  # this CPU lacks the kernels' ISA: cross-compiled only
         return
     # the same bf16 products, summed in another order (the hidden layer's bf16 rounding then
     # differs in places); a block computed wrongly or not at all would be off by O(1)

@@ -44,7 +44,7 @@ def test_amx_products_are_the_conv_in_bf16_and_odd_channels_stay_fp32():
     torch.testing.assert_close(amx_way[1](y), iree_way[1](y), rtol=0, atol=0)
 
 
-def test_exported_split_conv_dispatches_its_products_to_the_kernel():
+def test_exported_split_conv_dispatches_its_products_to_the_kernel(kernel_isa):
     iree_aot = pytest.importorskip("iree.turbine.aot")
     model = _lowered("amx")
     x = torch.randn(2, 64, 16, 16)
@@ -52,12 +52,12 @@ def test_exported_split_conv_dispatches_its_products_to_the_kernel():
     text = str(iree_aot.export(model, args=(x,)).mlir_module)
     assert text.count("util.call @sdiree_amx_matmul_128x64x96(") == 16  # 4x4 elements
     out = run_amx_main(text, x.numpy())
-    if out is None:  # this CPU lacks AMX: cross-compiled only
+    if out is None:  # this CPU lacks the kernels' ISA: cross-compiled only
         return
     assert np.abs(out - want).max() / np.abs(want).max() < 2e-3
 
 
-def test_batched_winograd_and_im2col_convs_take_the_kernel():
+def test_batched_winograd_and_im2col_convs_take_the_kernel(kernel_isa):
     """Below the split side a conv's 16 products are one batched dispatch to the kernel (the
     grid's third axis); a stride-2 conv's and a 1x1 conv's im2col matmuls go to it too."""
     iree_aot = pytest.importorskip("iree.turbine.aot")
@@ -78,7 +78,7 @@ def test_batched_winograd_and_im2col_convs_take_the_kernel():
     assert text.count("util.call @sdiree_amx_matmul_32x864x64(") == 1
     assert text.count("util.call @sdiree_amx_matmul_32x64x32(") == 1
     out = run_amx_main(text, x.numpy())
-    if out is None:  # this CPU lacks AMX: cross-compiled only
+    if out is None:  # this CPU lacks the kernels' ISA: cross-compiled only
         return
     want = got.detach().numpy()
     assert np.abs(out - want).max() / np.abs(want).max() < 2e-3

@@ -156,6 +156,18 @@ def test_unets_it_cannot_take_are_refused_in_one_line(tiny_model, change, why):
     assert str(e.value) == f"export layout channels_last: this UNet cannot: {why}"
 
 
+def _channels_last_watching_norms(unet, args):
+    """The channels-last UNet's prediction, and what each GroupNorm kernel call was told after
+    its operands (its first: whether it writes a conv's padded rows)."""
+    seen = []
+    original = group_norm_kernel.norm_bf16
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(group_norm_kernel, "norm_bf16", lambda *a: seen.append(a[3:]) or original(*a))
+        with torch.no_grad():
+            got = UNetEntryChannelsLast(unet)(*args)
+    return got, seen
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("operands,tolerance", [("bf16", 3e-2), ("bf16x3", 1e-4)])
 def test_norms_on_their_kernels_with_the_amx_convs(family, operands, tolerance, request):
@@ -180,14 +192,34 @@ def test_norms_on_their_kernels_with_the_amx_convs(family, operands, tolerance, 
     assert set_layer_norm_kernel(unet) == 3 * sum(  # each block's three LayerNorms
         type(m).__name__ == "BasicTransformerBlock" for m in unet.modules()
     )
-    seen = []
-    original = group_norm_kernel.norm_bf16
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(group_norm_kernel, "norm_bf16", lambda *a: seen.append(a[3:]) or original(*a))
-        with torch.no_grad():
-            got = UNetEntryChannelsLast(unet)(*args)
+    got, seen = _channels_last_watching_norms(unet, args)
     assert seen and any(s and s[0] == 1 for s in seen)  # some norm wrote a conv's padded rows
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err < tolerance, err
     if operands == "bf16":
         assert err > 1e-4, err  # bf16 operands: rounded, so the split's bound means something
+
+
+def test_direct_convs_none_keeps_the_wide_convs_winograd(tiny_model):
+    """Export choice `direct_convs: none` (cpu bf16 on avx512_bf16 without AMX, where products
+    are dear): under matmul_kernel amx no conv takes the direct conv kernel, so no norm writes a
+    conv's padded rows; the wide convs are Winograd with transformed weights, and the prediction
+    stays diffusers' within bf16's rounding."""
+    unet = load_unet(tiny_model)
+    cat_text_time_embedding(unet)
+    args = inputs(unet, 1, (2 * MIN_WIDTH, 2 * MIN_WIDTH))
+    with torch.no_grad():
+        want = UNetEntry(unet)(*args)
+    wide = {m: MIN_WIDTH for m in unet.modules() if isinstance(m, torch.nn.Conv2d)}
+    with pytest.raises(ValueError, match="direct_convs"):
+        set_conv_lowering(unet, "winograd", matmul_kernel="amx", sides=wide, direct_choice="x")
+    tag = set_conv_lowering(
+        unet, "winograd", split_min_side=4, matmul_kernel="amx", sides=wide, direct_choice="none"
+    )
+    assert tag and tag.startswith("winograd")  # the wide convs' transformed weights too
+    set_norm_kernel(unet)
+    set_linear_lowering(unet, "amx")
+    got, seen = _channels_last_watching_norms(unet, args)
+    assert not any(s and s[0] == 1 for s in seen)  # no conv reads padded rows
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert 1e-4 < err < 3e-2, err
