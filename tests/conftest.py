@@ -15,6 +15,7 @@ each test's wait are written (seconds since the epoch), to see the suite's criti
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -220,9 +221,15 @@ class AheadQueue:
         self.proc: Popen | None = None
         self.stopped = False
         self._thread: threading.Thread | None = None
+        # The environment at the first queued job (the session's $SDIREE_CACHE): a compile
+        # started while a test has monkeypatched it (its own cache) would otherwise write the
+        # shared artifacts' archives into that test's cache.
+        self.env: dict[str, str] | None = None
 
     def add(self, owner, keys) -> None:
         with self.lock:
+            if self.env is None:
+                self.env = dict(os.environ)
             self.items += [(owner, k) for k in keys]
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True)
@@ -265,7 +272,7 @@ class AheadQueue:
                 # its own process group: stop() kills it with its iree-compile child
                 self.proc = Popen(
                     owner.command(key), stdout=PIPE, stderr=STDOUT, text=True,
-                    start_new_session=True,
+                    start_new_session=True, env=self.env,
                 )  # fmt: skip
                 output, _ = self.proc.communicate()
                 future.set_result((self.proc.returncode, output))
@@ -283,6 +290,20 @@ class AheadQueue:
 
 
 _AHEAD = AheadQueue()
+
+
+@contextlib.contextmanager
+def _session_cache(queued: bool):
+    """A queued job compiled by a waiting test uses the session's $SDIREE_CACHE, whatever that
+    test set it to."""
+    if not queued or _AHEAD.env is None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SDIREE_CACHE", _AHEAD.env["SDIREE_CACHE"])
+        yield
+
+
 _QUEUE_LOG = os.environ.get("SDIREE_TEST_QUEUE_LOG")  # a file: when each compile starts and ends
 
 
@@ -387,7 +408,8 @@ class CompiledArtifacts:
 
         _queue_log("start", self, key, "foreground")
         try:
-            compile_model(_compile_options(self.options(key)), Reporter(stream=io.StringIO()))
+            with _session_cache(future is not None):
+                compile_model(_compile_options(self.options(key)), Reporter(stream=io.StringIO()))
         except Exception as error:
             if future is None:
                 raise
