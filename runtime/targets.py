@@ -361,6 +361,9 @@ EXPORT_CHOICES = {
     # under matmul_kernel amx, the UNet's wide 3x3 convs on the direct conv kernel, or none of
     # them: all Winograd (compile/exporters/conv_matmul.py DIRECT_CONVS)
     "direct_convs": ("wide", "none"),
+    # under matmul_kernel amx, the UNet's F(2x2) Winograd convs as iree's passes around the
+    # matmul kernel, or on sdiree's fused Winograd kernels (compile/exporters/winograd_fused.py)
+    "winograd_kernel": ("none", "fused"),
 }
 # positive integers, in submodule_export.unet only: F(4x4) from this input side; plain matmuls
 # where the input side is at most the latent's / this
@@ -369,6 +372,7 @@ UNET_ONLY_EXPORT = ("winograd4_min_side", "plain_from_downscale")
 ONE_SUBMODULE_EXPORT = {
     "layout": (("vae_decoder", "unet"), "native"),
     "direct_convs": (("unet",), "wide"),
+    "winograd_kernel": (("unet",), "none"),
 }
 # positive integers, any submodule: Winograd convs one matmul per tile element from this side;
 # `chunked` attention's score block budget in bytes

@@ -18,6 +18,15 @@ choice `plain_from_downscale` lowers its smallest convs (no transformed weights 
 shipped UNet at 64x64 latents, e.g.:
 
     python tools/winograd_conv_bench.py 320 64 2 4:batched:16,2:interleaved:16,4:batched:0
+
+`--kernels ISA` (amx or avx512_bf16) compiles with the cpu bf16 UNet flags instead and puts the
+split products on sdiree's matmul kernel built for ISA (`m:inverse:split` as above, export
+choice `matmul_kernel: amx`), and adds the variant `fused`: the conv on the fused Winograd
+kernels (export choice `winograd_kernel: fused`, compile/exporters/winograd_fused.py); each
+conv adds a residual, as a resnet's conv2 does (fused: in its epilogue). The cpu bf16 UNet
+on a Zen 4, e.g.:
+
+    python tools/winograd_conv_bench.py 320 64 2 2:interleaved:16,fused --kernels avx512_bf16
 """
 
 from __future__ import annotations
@@ -30,16 +39,25 @@ import types
 import numpy as np
 
 
-def unet_flags() -> list[str]:
-    """iree-compile's flags for the UNet of a cpu fp32 compile for this machine's CPU (the
+def unet_flags(dtype: str = "fp32") -> list[str]:
+    """iree-compile's flags for the UNet of a cpu compile in dtype for this machine's CPU (the
     shipped registry's, as `sdiree compile --target cpu` gives them)."""
     from sdiree.runtime.targets import load_registry
 
-    return load_registry().target("cpu").compile_flags("host", "fp32", "unet")
+    return load_registry().target("cpu").compile_flags("host", dtype, "unet")
 
 
-def build(channels: int, side: int, batch: int, m: int, inverse: str, split: int | None):
-    """The conv as this variant (m 0: plain), compiled: (vmfb bytes, input, torch's output)."""
+def build(
+    channels: int,
+    side: int,
+    batch: int,
+    m: int,
+    inverse: str,
+    split: int | None,
+    kernels: str | None = None,
+):
+    """The conv as this variant (m 0: plain; -1: fused), compiled: (vmfb bytes, inputs, torch's
+    output). With kernels (an ISA) on sdiree's kernels, bf16, plus a residual."""
     import iree.compiler as ic
     import iree.turbine.aot as aot
     import torch
@@ -49,19 +67,58 @@ def build(channels: int, side: int, batch: int, m: int, inverse: str, split: int
     from sdiree.runtime.weights.winograd import WINOGRAD_PARAM
 
     torch.manual_seed(0)
-    conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+    conv = torch.nn.Conv2d(channels, channels, 3, padding=1).requires_grad_(False)
+    matmul = "amx" if kernels else "iree"
     if m:
-        u = winograd_weight(conv.weight.detach().double(), m).float()
+        u = winograd_weight(conv.weight.detach().double(), max(m, 2)).float()  # fused: F(2x2)
         conv.register_parameter(WINOGRAD_PARAM, torch.nn.Parameter(u, requires_grad=False))
-        lowering = functools.partial(conv2d_winograd, m=m, output=inverse, split_min_side=split)
+        lowering = functools.partial(
+            conv2d_winograd, m=m, output=inverse, split_min_side=split, matmul=matmul
+        )
     else:
-        lowering = conv2d_as_matmul
-    conv.forward = types.MethodType(lowering, conv)
+        lowering = functools.partial(conv2d_as_matmul, matmul=matmul)
     x = torch.randn(batch, channels, side, side)
     with torch.no_grad():
         ref = torch.nn.functional.conv2d(x, conv.weight, conv.bias, padding=1)
-    mlir = aot.export(conv.eval(), args=(x,)).mlir_module.operation.get_asm()
-    return ic.compile_str(mlir, extra_args=unet_flags()), x.numpy(), ref.numpy()
+    if not kernels:
+        conv.forward = types.MethodType(lowering, conv)
+        mlir = aot.export(conv.eval(), args=(x,)).mlir_module.operation.get_asm()
+        return ic.compile_str(mlir, extra_args=unet_flags()), (x.numpy(),), ref.numpy()
+    return _build_on_kernels(conv, lowering, x, ref, m < 0, kernels)
+
+
+def _build_on_kernels(conv, lowering, x, ref, fused: bool, isa: str):
+    """The conv on sdiree's kernels for isa, channels-last, plus a residual (fused: in the
+    fused kernels' epilogue)."""
+    import iree.compiler as ic
+    import iree.turbine.aot as aot
+    import torch
+
+    from sdiree.compile.exporters import winograd_fused
+    from sdiree.compile.exporters.amx_matmul import register, set_kernel_isa
+
+    set_kernel_isa(isa)
+    register()
+    winograd_fused.register()
+    if fused:
+        winograd_fused.mark(conv)
+
+    class Conv(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv
+
+        def forward(self, xh, res):
+            if fused:
+                return winograd_fused.conv3x3_wino_nhwc(self.conv, xh, None, res)
+            return lowering(self.conv, xh.permute(0, 3, 1, 2)).permute(0, 2, 3, 1) + res
+
+    xh = x.permute(0, 2, 3, 1).contiguous()
+    res = torch.randn(xh.shape)
+    mlir = aot.export(Conv(), args=(xh, res)).mlir_module.operation.get_asm()
+    want = ref.permute(0, 2, 3, 1) + res
+    vmfb = ic.compile_str(mlir, extra_args=unet_flags("bf16"))
+    return vmfb, (xh.numpy(), res.numpy()), want.numpy()
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -72,6 +129,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument(
         "variants", help="m:inverse:split or plain[,...], e.g. 4:batched:16,2:interleaved:16,plain"
     )
+    p.add_argument("--kernels", choices=("amx", "avx512_bf16"), help="bf16 on sdiree's kernels")
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     a = p.parse_args(argv)
@@ -85,6 +143,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for text in a.variants.split(","):
         if text == "plain":
             forms.append((text, "0", "batched", "0"))
+            continue
+        if text == "fused" and a.kernels:
+            forms.append((text, "-1", "batched", "0"))
             continue
         parts = text.split(":")
         m, inverse, split = parts if len(parts) == 3 else ("", "", "")
@@ -101,17 +162,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         forms.append((text, m, inverse, split))
     calls = []
     for text, m, inverse, split in forms:
-        vmfb, x, ref = build(a.channels, a.side, a.batch, int(m), inverse, int(split) or None)
+        vmfb, x, ref = build(
+            a.channels, a.side, a.batch, int(m), inverse, int(split) or None, a.kernels
+        )
         ctx = rt.SystemContext(config=rt.Config("local-task"))
         ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, vmfb))
         fn = ctx.modules.module["main"]
-        err = float(np.abs(np.asarray(fn(x)) - ref).max() / np.abs(ref).max())
+        err = float(np.abs(np.asarray(fn(*x)) - ref).max() / np.abs(ref).max())
         calls.append((text, fn, x, err))
     times: dict[str, list[float]] = {c[0]: [] for c in calls}
     for i in range(a.warmup + a.runs):
         for name, fn, x, _ in calls:
             t = time.perf_counter()
-            fn(x)
+            fn(*x)
             if i >= a.warmup:
                 times[name].append(time.perf_counter() - t)
     rows, first = [], None

@@ -30,8 +30,9 @@ from sdiree.runtime.targets import UNET_ONLY_EXPORT
 # 13: the AMX kernels' ops take `split` (export choice `amx_operands`); 14: a split matmul's
 # block chosen by its operands' whole depth; 15: the fused attention takes the real key count
 # (every cross-attention on the kernel, no mask column) and writes bf16 without split; 16: it
-# takes q in f32 as the projection wrote it (its workgroups scale, cast and pad their rows).
-EXPORTER_REVISION = 16
+# takes q in f32 as the projection wrote it (its workgroups scale, cast and pad their rows);
+# 17: under `winograd_kernel: fused`, each fused Winograd conv call its own function.
+EXPORTER_REVISION = 17
 # Bumped when weights derived at export (Winograd) are computed differently, so that cached
 # derived archives written before are written again (compile/driver.py). 2: rounded once to the
 # export dtype; before, an fp16 file compiled in fp32 had its transformed weights rounded to fp16
@@ -58,18 +59,20 @@ def kernels_for(options: dict) -> dict[str, str]:
     """The hand-written kernels (specs/kernels) an export with these choices links, {name: sha256
     of its source}: part of the export's cache key."""
     from ..kernel_objects import source_hash
-    from . import amx_matmul, attention_amx, group_norm_kernel
+    from . import amx_matmul, attention_amx, group_norm_kernel, winograd_fused
 
     names = [amx_matmul.KERNEL] if uses_amx(options) else []
     if options.get("matmul_kernel") == "amx":
         names += [attention_amx.KERNEL, group_norm_kernel.KERNEL]
+        if options.get("winograd_kernel") == "fused":
+            names.append(winograd_fused.KERNEL)
     return {name: source_hash(name) for name in names}
 
 
 def ensure_kernels(options: dict) -> None:
     """Build the kernels' objects that an export with these choices names, where the user cache
     lost them (a cached export names them by path: compile/kernel_objects.py)."""
-    from . import amx_matmul, attention_amx, group_norm_kernel
+    from . import amx_matmul, attention_amx, group_norm_kernel, winograd_fused
 
     isa = kernel_isa(options)
     if uses_amx(options):
@@ -77,6 +80,8 @@ def ensure_kernels(options: dict) -> None:
     if options.get("matmul_kernel") == "amx":
         amx_matmul.object_path(attention_amx.KERNEL, isa)
         amx_matmul.object_path(group_norm_kernel.KERNEL, isa)
+        if options.get("winograd_kernel") == "fused":
+            amx_matmul.object_path(winograd_fused.KERNEL, isa)
 
 
 def uses_amx(options: dict) -> bool:
@@ -193,6 +198,7 @@ def _plan_for(builder, submodule: str, model):
             transformer=options.get("transformer", "native"),
             layout=options.get("layout", "native"),
             direct_convs=options.get("direct_convs", "wide"),
+            winograd_kernel=options.get("winograd_kernel", "none"),
         )
     for key in UNET_ONLY_EXPORT:
         if key in options:

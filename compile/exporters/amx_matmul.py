@@ -216,6 +216,23 @@ def buffer_views(*views: tuple[str, str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def residual_values(has_res: bool, res_type: str) -> dict:
+    """The template values of a kernel op whose `res` operand (of res_type, after `add`) is
+    optional: its binding, view, pointer and offset (add's in its place without one), parameter,
+    operand and type."""
+    return dict(
+        res_arg="%res: !stream.binding, " if has_res else "",
+        res_view=buffer_views(("res", "f32", "SO")).replace("{{", "{").replace("}}", "}")
+        if has_res
+        else "",
+        res_base="%res_base" if has_res else "%add_base",
+        res_off="%res_off" if has_res else "%add_off",
+        res_param=f", %res: {res_type}" if has_res else "",
+        res_operand="%res, " if has_res else "",
+        res_type=f"{res_type}, " if has_res else "",
+    )
+
+
 # One template for a matmul and a batch of them: the grid's z axis walks the batch (1 for a
 # single matmul), each workgroup's operands offset to its batch element's matrices.
 _TEMPLATE = (

@@ -45,6 +45,7 @@ from .amx_matmul import (
     operand,
     pack_b,
     product,
+    residual_values,
     select_static,
     template_loader,
     unpack_b,
@@ -233,19 +234,14 @@ def _out_values(kb, ksel, has_res: bool) -> dict:
         block_m=BLOCK_M, block_n=BLOCK_N, m=m, k=k, n=n, j=j, k2=k2, row=row, rows=rows, h=h,
         w=row - 2, images=images, add_rows=add_rows, so=images * h * (row - 2) * n,
         has_res=int(has_res), split=split,
-        res_arg="%res: !stream.binding, " if has_res else "",
-        res_view=_single_braces(buffer_views(("res", "f32", "SO"))) if has_res else "",
-        res_base="%res_base" if has_res else "%add_base",
-        res_off="%res_off" if has_res else "%add_off",
-        res_param=f", %res: {res_type}" if has_res else "",
-        res_operand="%res, " if has_res else "",
-        res_type=f"{res_type}, " if has_res else "",
+        **residual_values(has_res, res_type),
     )  # fmt: skip
 
 
-def _single_braces(text: str) -> str:
-    """Template text as str.format gives it (a value formatted in is not formatted again)."""
-    return text.replace("{{", "{").replace("}}", "}")
+def _shape_tag(v: dict) -> str:
+    """What tells one conv call's function from another's (a function is made once a name, and
+    typed by all of these: the add's rows too, 1 or one per image)."""
+    return f"{v['images']}x{v['m']}x{v['k']}x{v['n']}r{v['row']}a{v['add_rows']}s{v['split']}"
 
 
 @functools.cache
@@ -273,7 +269,7 @@ def _make_ops():
 
         def generate(self, ksel, kb):
             v = _out_values(kb, ksel, False)
-            name = f"sdiree_amx_conv3x3o_{v['m']}x{v['k']}x{v['n']}r{v['row']}s{v['split']}"
+            name = f"sdiree_amx_conv3x3o_{_shape_tag(v)}"
             emit_call(loader, kb, KERNEL, name, 3, **v)
 
     @CustomOp.register(library=library)
@@ -291,7 +287,7 @@ def _make_ops():
 
         def generate(self, ksel, kb):
             v = _out_values(kb, ksel, True)
-            name = f"sdiree_amx_conv3x3or_{v['m']}x{v['k']}x{v['n']}r{v['row']}s{v['split']}"
+            name = f"sdiree_amx_conv3x3or_{_shape_tag(v)}"
             emit_call(loader, kb, KERNEL, name, 4, **v)
 
     return amx_bf16_conv3x3_out, amx_bf16_conv3x3_out_res

@@ -32,6 +32,7 @@ from .winograd import (
     conv2d_winograd_nhwc,
     derived_tag,
 )
+from .winograd_fused import WINOGRAD_KERNELS, fuse_winograd
 
 # Each conv given a lowering also gets its channels-last form, [N, H, W, C] in and out, under
 # this attribute (exporters that keep activations channels-last call it: vae_channels_last.py).
@@ -185,14 +186,17 @@ def set_conv_lowering(
     matmul_kernel: str = "iree",
     sides: dict | None = None,
     direct_choice: str = "wide",
+    winograd_kernel: str = "none",
 ) -> str | None:
     """Apply the target's `export.conv` choice to every Conv2d of model, with tiles ({conv:
     m}, Winograd choices only) overriding the choice's tile per conv; winograd_output and
     split_min_side and matmul_kernel (export choices `winograd_output`,
     `winograd_split_min_side`, `matmul_kernel`) are conv2d_winograd's. Under `matmul_kernel:
     amx` the 3x3 convs of direct_convs(model, sides) take the AMX conv kernel instead, with no
-    transformed weight, unless direct_choice (export choice `direct_convs`) is `none`. Returns a
-    tag naming the derived parameters it added (None when it added none)."""
+    transformed weight, unless direct_choice (export choice `direct_convs`) is `none`; with
+    winograd_kernel (export choice `winograd_kernel`) `fused` the F(2x2) Winograd convs take
+    sdiree's fused Winograd kernels where they fit (winograd_fused.py). Returns a tag naming the
+    derived parameters it added (None when it added none)."""
     if conv not in CONV_CHOICES:
         raise ValueError(f"export conv choice must be one of {CONV_CHOICES}, not {conv!r}")
     if winograd_output not in WINOGRAD_OUTPUTS:
@@ -207,11 +211,15 @@ def set_conv_lowering(
         return None
     if direct_choice not in DIRECT_CONVS:
         raise ValueError(f"export direct_convs choice must be one of {DIRECT_CONVS}")
+    if winograd_kernel not in WINOGRAD_KERNELS:
+        raise ValueError(f"export winograd_kernel choice must be one of {WINOGRAD_KERNELS}")
     wide = matmul_kernel == "amx" and direct_choice == "wide"
     direct = direct_convs(model, sides) if wide else set()
     if direct and m:
         tiles = {**(tiles or {}), **{c: 0 for c in direct}}  # no transformed weight
     convs_as_matmuls(model, conv, tiles, winograd_output, split_min_side, matmul_kernel, direct)
+    if winograd_kernel == "fused" and matmul_kernel == "amx" and m:
+        fuse_winograd(model, tiles, m, direct)
     if conv == "pointwise_einsum_fhwc":
         return FHWC_TAG if add_fhwc_weights(model) else None
     return derived_tag(add_winograd_weights(model, m, tiles), whole=not direct) if m else None

@@ -108,6 +108,7 @@ def plan_unet(
     matmul_kernel: str = "iree",
     layout: str = "native",
     direct_convs: str = "wide",
+    winograd_kernel: str = "none",
 ) -> ExportPlan:
     from .unet_channels_last import unsupported
     from .vae_channels_last import LAYOUTS
@@ -148,6 +149,7 @@ def plan_unet(
         matmul_kernel,
         sides,
         direct_convs,
+        winograd_kernel,
     )
     set_transformer_layout(unet, transformer)
     group_norms_in_fp32(unet, dtype)

@@ -78,6 +78,45 @@ static inline __m512 sdiree_softmax_row(const float *s, float m, uint16_t *p, si
   return _mm512_add_ps(sum0, sum1);
 }
 
+#ifdef SDIREE_KERNEL_AVX512
+/* acc[32][:40] += p v over len keys (vdpbf16ps, no AMX): a head dim of 40 in one pass a row
+   block, the last 8 columns on 256-bit products (on Zen 4 two a cycle, so as dear as a
+   512-bit one's half), against two passes of 32 and 16 columns (48 computed). p's rows are KB
+   keys apart; v's 16-column strips (rows of 64 bytes: pairs of keys) strip bytes apart. */
+static inline void sdiree_pv_40(float (*acc)[DV_MAX], const uint16_t *p, const uint8_t *v,
+                                size_t strip, size_t len) {
+  for (int r0 = 0; r0 < QB; r0 += 8) {
+    __m512 c0[8], c1[8];
+    __m256 c2[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      c0[i] = _mm512_load_ps(&acc[r0 + i][0]);
+      c1[i] = _mm512_load_ps(&acc[r0 + i][16]);
+      c2[i] = _mm256_load_ps(&acc[r0 + i][32]);
+    }
+    const uint8_t *pr = (const uint8_t *)(p + r0 * KB);
+    for (size_t kp = 0; kp < len / 2; ++kp) {
+      const __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void *)(v + kp * 64));
+      const __m512bh b1 = (__m512bh)_mm512_loadu_si512((const void *)(v + strip + kp * 64));
+      const __m256bh b2 = (__m256bh)_mm256_loadu_si256((const __m256i *)(v + 2 * strip + kp * 64));
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        const __m512i av = _mm512_set1_epi32(*(const sdiree_pair *)(pr + i * KB * 2 + kp * 4));
+        c0[i] = _mm512_dpbf16_ps(c0[i], (__m512bh)av, b0);
+        c1[i] = _mm512_dpbf16_ps(c1[i], (__m512bh)av, b1);
+        c2[i] = _mm256_dpbf16_ps(c2[i], (__m256bh)_mm512_castsi512_si256(av), b2);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      _mm512_store_ps(&acc[r0 + i][0], c0[i]);
+      _mm512_store_ps(&acc[r0 + i][16], c1[i]);
+      _mm256_store_ps(&acc[r0 + i][32], c2[i]);
+    }
+  }
+}
+#endif
+
 static inline float sdiree_row_max(const float *s, size_t len) {
   __m512 mx = _mm512_load_ps(s);
   for (size_t c = 16; c < len; c += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(s + c));
@@ -133,6 +172,10 @@ int sdiree_amx_bf16_attention_workgroup(const float *q, size_t q_offset, const u
     /* s = q k^T for keys [kb, kb + len), 32 x 32 at a time */
     for (size_t n = 0; n < len; n += 32) {
       const uint8_t *b0 = kh + ((kb + n) / 16) * k_strip;
+      if (!split) {
+        sdiree_dp_32x32_store(&tiles, qh, ldq, b0, b0 + k_strip, qk_depth, &s[0][n], KB * 4);
+        continue;
+      }
       sdiree_zero_32x32(&tiles);
       sdiree_dp_any_32x32(&tiles, qh, ldq, b0, b0 + k_strip, qk_depth, (int)split);
       sdiree_store_32x32(&tiles, &s[0][n], KB * 4);
@@ -164,6 +207,12 @@ int sdiree_amx_bf16_attention_workgroup(const float *q, size_t q_offset, const u
       _mm512_store_ps(l[r], _mm512_add_ps(_mm512_load_ps(l[r]), sum));
     }
     /* acc += p v for the same keys */
+#ifdef SDIREE_KERNEL_AVX512
+    if (!split && DO > 32 && DO <= 40) { /* SD 1.5's head dim 40: 2.5 strips in one pass */
+      sdiree_pv_40(acc, &p[0][0][0], vh + kb * 32, v_strip, len);
+      continue;
+    }
+#endif
     for (size_t n = 0; n < DV; n += 32) {
       const uint8_t *b0 = vh + (n / 16) * v_strip + kb * 32;
       sdiree_load_32x32(&tiles, &acc[0][n], DV_MAX * 4);

@@ -86,6 +86,11 @@ static inline void sdiree_taps_workgroup(const uint16_t *a, const uint16_t *b, f
   for (size_t i = 0; i < steps_m * steps_n; ++i) {
     const size_t n = n_begin + 32 * (rows_outer ? i % steps_n : i / steps_m);
     const size_t m = m_begin + 32 * (rows_outer ? i / steps_n : i % steps_m);
+    if (taps == 1 && !ep && !split) { /* a plain matmul's block goes straight to C */
+      const uint8_t *b0 = (const uint8_t *)b + (n / 16) * strip;
+      sdiree_dp_32x32_store(&tiles, a + m * K, lda, b0, b0 + strip, K, c + m * N + n, ldc);
+      continue;
+    }
     sdiree_zero_32x32(&tiles);
     for (size_t t = 0; t < taps; ++t) {
       const uint8_t *b0 = (const uint8_t *)b + t * tap_bytes + (n / 16) * strip;

@@ -113,6 +113,14 @@ static inline void sdiree_dp_32x32_cols(sdiree_acc *t, const void *a, size_t lda
   sdiree_dp_32x32(t, a, lda, b0, b1, depth);
 }
 
+/* A fresh block's A x B stored at c (row stride ldc bytes): zero, dp and store in one. */
+static inline void sdiree_dp_32x32_store(sdiree_acc *t, const void *a, size_t lda, const void *b0,
+                                         const void *b1, size_t depth, void *c, size_t ldc) {
+  sdiree_zero_32x32(t);
+  sdiree_dp_32x32(t, a, lda, b0, b1, depth);
+  sdiree_store_32x32(t, c, ldc);
+}
+
 /* sdiree_dp_32x32 on operands that are each the sum of two bf16 parts, hi + lo (an f32 value to
    ~16 significant bits; the exports' `amx_operands: bf16x3`): += A_hi B_lo + A_hi B_hi +
    A_lo B_hi over `depth`, A_lo B_lo (~2^-17 of the product) dropped. A's lo part is a_lo bytes
@@ -189,15 +197,16 @@ static inline void sdiree_store_32x32(sdiree_acc *t, void *c, size_t ldc) {
   }
 }
 
-/* Rows [r0, r0 + 8) of the block += A x B over depth (even): per pair of depth, each row's pair
-   of A broadcast and multiplied into both 16-column strips' row of 64 bytes. */
-static inline void sdiree_dp_8x32(sdiree_acc *t, int r0, const uint8_t *a, size_t lda,
+/* 8 rows of 32 f32 at c (row stride ldc floats) += A x B over depth (even), or = with fresh
+   (c not read): per pair of depth, each row's pair of A broadcast and multiplied into both
+   16-column strips' row of 64 bytes. */
+static inline void sdiree_dp_8x32(float *c, size_t ldc, const uint8_t *a, size_t lda,
                                   const uint8_t *s0, const uint8_t *s1, size_t depth, int fresh) {
   __m512 c0[8], c1[8];
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) {
-    c0[i] = fresh ? _mm512_setzero_ps() : _mm512_load_ps(&t->c[r0 + i][0]);
-    c1[i] = fresh ? _mm512_setzero_ps() : _mm512_load_ps(&t->c[r0 + i][16]);
+    c0[i] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(c + i * ldc);
+    c1[i] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(c + i * ldc + 16);
   }
   for (size_t kp = 0; kp < depth / 2; ++kp) {
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void *)(s0 + kp * 64));
@@ -211,8 +220,8 @@ static inline void sdiree_dp_8x32(sdiree_acc *t, int r0, const uint8_t *a, size_
   }
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) {
-    _mm512_store_ps(&t->c[r0 + i][0], c0[i]);
-    _mm512_store_ps(&t->c[r0 + i][16], c1[i]);
+    _mm512_storeu_ps(c + i * ldc, c0[i]);
+    _mm512_storeu_ps(c + i * ldc + 16, c1[i]);
   }
 }
 
@@ -222,9 +231,19 @@ static inline void sdiree_dp_32x32(sdiree_acc *t, const void *a, size_t lda, con
                                    const void *b1, size_t depth) {
   const int fresh = t->fresh;
   for (int r0 = 0; r0 < 32; r0 += 8)
-    sdiree_dp_8x32(t, r0, (const uint8_t *)a + r0 * lda, lda, (const uint8_t *)b0,
+    sdiree_dp_8x32(&t->c[r0][0], 32, (const uint8_t *)a + r0 * lda, lda, (const uint8_t *)b0,
                    (const uint8_t *)b1, depth, fresh);
   t->fresh = 0;
+}
+
+/* A fresh block's A x B stored at c (row stride ldc bytes, a multiple of 4), each 8 rows straight
+   from their accumulators (no trip through the block in L1). */
+static inline void sdiree_dp_32x32_store(sdiree_acc *t, const void *a, size_t lda, const void *b0,
+                                         const void *b1, size_t depth, void *c, size_t ldc) {
+  (void)t;
+  for (int r0 = 0; r0 < 32; r0 += 8)
+    sdiree_dp_8x32((float *)((uint8_t *)c + r0 * ldc), ldc / 4, (const uint8_t *)a + r0 * lda,
+                   lda, (const uint8_t *)b0, (const uint8_t *)b1, depth, 1);
 }
 
 /* sdiree_dp_32x32 where only the block's first `cols` columns are wanted: at most 16, the first

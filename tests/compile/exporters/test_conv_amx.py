@@ -120,3 +120,33 @@ def test_epilogue_adds_a_row_per_image_and_the_residual(add_rows, residual, kern
     if out is None:  # this CPU lacks the kernels' ISA: cross-compiled only
         return
     assert np.abs(out - want.numpy()).max() / np.abs(want.numpy()).max() < 1e-5
+
+
+def test_calls_that_differ_only_in_their_add_rows_get_functions_of_their_own(kernel_isa):
+    """An add of one row (for every image) and one of a row per image type the call apart: each
+    gets its own function (a kernel op's function is made once per name)."""
+    iree_aot = pytest.importorskip("iree.turbine.aot")
+    from llvm_cpu import compile_main
+
+    register()
+    conv_amx.register()
+    n, h, w, c = 2, 2, 32, 32
+    conv = torch.nn.Conv2d(c, c, 3, padding=1).requires_grad_(False)
+    tail = conv_amx.padded_rows(n, h, w)[2]
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv
+
+        def forward(self, xh, one, per_image):
+            xp = torch.nn.functional.pad(xh, (0, 0, 1, 1, 1, 1)).reshape(-1, c)
+            xp = torch.nn.functional.pad(xp, (0, 0, 0, tail)).to(torch.bfloat16)
+            a = conv_amx.conv3x3_amx_padded(self.conv, xp, n, h, w, one)
+            b = conv_amx.conv3x3_amx_padded(self.conv, xp, n, h, w, per_image)
+            return a.sum() + b.sum()
+
+    args = (torch.randn(n, h, w, c), torch.randn(1, c), torch.randn(n, c))
+    text = str(iree_aot.export(Two(), args=args).mlir_module)
+    assert text.count("flow.dispatch @sdiree_amx_conv3x3o") == 2
+    assert compile_main(text, cpu="sapphirerapids")  # the types agree: it compiles

@@ -223,3 +223,48 @@ def test_direct_convs_none_keeps_the_wide_convs_winograd(tiny_model):
     assert not any(s and s[0] == 1 for s in seen)  # no conv reads padded rows
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert 1e-4 < err < 3e-2, err
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_winograd_kernel_fused_takes_the_winograd_convs(family, request):
+    """Export choice `winograd_kernel: fused` (cpu bf16 on avx512_bf16 without AMX): the F(2x2)
+    Winograd convs take the fused Winograd kernels (winograd_fused.py), those after a GroupNorm
+    reading the padded bf16 rows its kernel writes (with the time embedding and the skip added
+    in the epilogue); the prediction stays diffusers' within bf16's rounding."""
+    from sdiree.compile.exporters import winograd_fused
+
+    unet = load_unet(request.getfixturevalue(family))
+    cat_text_time_embedding(unet)
+    args = inputs(unet, 1, (2 * MIN_WIDTH, 2 * MIN_WIDTH))
+    with torch.no_grad():
+        want = UNetEntry(unet)(*args)
+    wide = {m: MIN_WIDTH for m in unet.modules() if isinstance(m, torch.nn.Conv2d)}
+    with pytest.raises(ValueError, match="winograd_kernel"):
+        set_conv_lowering(unet, "winograd", matmul_kernel="amx", winograd_kernel="x")
+    set_conv_lowering(
+        unet,
+        "winograd",
+        split_min_side=4,
+        matmul_kernel="amx",
+        sides=wide,
+        direct_choice="none",
+        winograd_kernel="fused",
+    )
+    set_norm_kernel(unet)
+    set_linear_lowering(unet, "amx")
+    calls = []
+    original = winograd_fused.conv3x3_wino_padded
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            winograd_fused,
+            "conv3x3_wino_padded",
+            lambda *a, **k: calls.append(a[2:5]) or original(*a, **k),
+        )
+        got, seen = _channels_last_watching_norms(unet, args)
+    resnet_convs = (
+        sum(1 for m in unet.modules() if type(m).__name__ == "ResnetBlock2D") * 2
+    )  # conv1 and conv2 of each
+    assert len(calls) >= resnet_convs  # and the upsamplers'
+    assert sum(1 for s in seen if s and s[0] == 1) >= resnet_convs  # padded rows for them
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert 1e-4 < err < 3e-2, err
