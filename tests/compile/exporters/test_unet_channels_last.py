@@ -49,6 +49,17 @@ def inputs(unet, batch, hw):
     return args
 
 
+def wide_case(unet):
+    """The time embedding concatenated, inputs wide enough for the conv kernel (batch 1),
+    diffusers' prediction on them, and every conv marked wide (set_conv_lowering's `sides`)."""
+    cat_text_time_embedding(unet)
+    args = inputs(unet, 1, (2 * MIN_WIDTH, 2 * MIN_WIDTH))
+    with torch.no_grad():
+        want = UNetEntry(unet)(*args)
+    wide = {m: MIN_WIDTH for m in unet.modules() if isinstance(m, torch.nn.Conv2d)}
+    return args, want, wide
+
+
 def unguided(args, batch):
     sample, t, text, *added = args
     return [sample, t, text[batch:], *(a[batch:] for a in added)]
@@ -179,12 +190,7 @@ def test_norms_on_their_kernels_with_the_amx_convs(family, operands, tolerance, 
     unet = load_unet(request.getfixturevalue(family))
     if operands == "bf16x3":
         set_split(unet)
-    cat_text_time_embedding(unet)
-    batch = 1
-    args = inputs(unet, batch, (2 * MIN_WIDTH, 2 * MIN_WIDTH))  # wide enough for the conv kernel
-    with torch.no_grad():
-        want = UNetEntry(unet)(*args)
-    wide = {m: MIN_WIDTH for m in unet.modules() if isinstance(m, torch.nn.Conv2d)}
+    args, want, wide = wide_case(unet)
     set_conv_lowering(unet, "winograd", split_min_side=4, matmul_kernel="amx", sides=wide)
     assert set_norm_kernel(unet) > 0
     assert set_layer_norm_kernel(unet) == 0  # its linears take fp32
@@ -206,11 +212,7 @@ def test_direct_convs_none_keeps_the_wide_convs_winograd(tiny_model):
     conv's padded rows; the wide convs are Winograd with transformed weights, and the prediction
     stays diffusers' within bf16's rounding."""
     unet = load_unet(tiny_model)
-    cat_text_time_embedding(unet)
-    args = inputs(unet, 1, (2 * MIN_WIDTH, 2 * MIN_WIDTH))
-    with torch.no_grad():
-        want = UNetEntry(unet)(*args)
-    wide = {m: MIN_WIDTH for m in unet.modules() if isinstance(m, torch.nn.Conv2d)}
+    args, want, wide = wide_case(unet)
     with pytest.raises(ValueError, match="direct_convs"):
         set_conv_lowering(unet, "winograd", matmul_kernel="amx", sides=wide, direct_choice="x")
     tag = set_conv_lowering(
@@ -234,11 +236,7 @@ def test_winograd_kernel_fused_takes_the_winograd_convs(family, request):
     from sdiree.compile.exporters import winograd_fused
 
     unet = load_unet(request.getfixturevalue(family))
-    cat_text_time_embedding(unet)
-    args = inputs(unet, 1, (2 * MIN_WIDTH, 2 * MIN_WIDTH))
-    with torch.no_grad():
-        want = UNetEntry(unet)(*args)
-    wide = {m: MIN_WIDTH for m in unet.modules() if isinstance(m, torch.nn.Conv2d)}
+    args, want, wide = wide_case(unet)
     with pytest.raises(ValueError, match="winograd_kernel"):
         set_conv_lowering(unet, "winograd", matmul_kernel="amx", winograd_kernel="x")
     set_conv_lowering(
