@@ -336,7 +336,7 @@ CPU_LACK_FIELDS = {
 # Export choices (compile/exporters: ATTENTIONS, CONV_CHOICES; runtime stays torch-free, so
 # they are repeated here and a test keeps them equal).
 EXPORT_CHOICES = {
-    "attention": ("sdpa", "sdpa_pow2", "sdpa_pow2_keys", "decomposed", "chunked"),
+    "attention": ("sdpa", "sdpa_pow2", "sdpa_pow2_keys", "decomposed", "chunked", "fused_f32"),
     "conv": (
         "native",
         "matmul",

@@ -13,6 +13,10 @@
   unmeasured on a GPU, where another cross-attention rewrite came out non-finite
   (compile/NOTES.md); a variant for the next GPU session (tools/device_variants.sh).
 - `decomposed`: diffusers' classic bmm-softmax-bmm (AttnProcessor).
+- `fused_f32`: attention without a mask, f32, its head dim a multiple of 8 up to 160, as one
+  dispatch to sdiree's fp32 attention kernel (attention_f32.py: AVX-512 FMA, the projections read
+  and written as they are, online softmax in L1); other attention as `chunked`. For llvm-cpu on
+  AVX-512 CPUs without AMX (whose fp32 takes the AMX kernels' split operands instead).
 - `chunked`: matmul-exp-matmul per head, cut into blocks of queries whose score tile fits in
   cache, with the softmax normalization moved after the second matmul. Made for llvm-cpu, where
   the decomposed form writes and re-reads the whole score tensor (16x4096x4096 fp32, 1 GB, at
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from . import attention_amx
+from . import attention_amx, attention_f32
 from .amx_matmul import MULTIPLE, amx_matmul, fits, is_split, operand, pack_b, weight_operand
 from .amx_matmul import register as register_amx
 from .linear_amx import casts_input
@@ -46,7 +50,7 @@ from .linear_amx import casts_input
 # measured faster on Zen 5 (compile/NOTES.md, twenty-fourth session).
 SCORE_BLOCK_BYTES = 16 << 20
 
-ATTENTIONS = ("sdpa", "sdpa_pow2", "sdpa_pow2_keys", "decomposed", "chunked")
+ATTENTIONS = ("sdpa", "sdpa_pow2", "sdpa_pow2_keys", "decomposed", "chunked", "fused_f32")
 
 
 def query_block(queries: int, keys: int, itemsize: int, budget: int) -> int:
@@ -143,10 +147,8 @@ class ChunkedAttnProcessor:
                 context = attn.norm_encoder_hidden_states(context)
         key, value = attn.to_k(context), attn.to_v(context)
         if self.heads_in_place(query, key, attn.heads, mask):
-            # the fused AMX kernel on the projections as they are: no head split or merge
-            out = attention_amx.amx_attention_heads(
-                query, key, value, attn.heads, attn.scale, self.split
-            )
+            # a fused kernel on the projections as they are: no head split or merge
+            out = self.attend_heads(query, key, value, attn.heads, attn.scale)
             if not casts_input(attn.to_out[0]):  # else it takes the kernel's bf16 as it is
                 out = out.to(query.dtype)
             hidden_states = attn.to_out[1](attn.to_out[0](out))
@@ -184,6 +186,20 @@ class ChunkedAttnProcessor:
             and key.dtype == torch.float32
             and attention_amx.fits_heads(query, key, heads, mask)
         )
+
+    def attend_heads(self, query, key, value, heads: int, scale: float):
+        return attention_amx.amx_attention_heads(query, key, value, heads, scale, self.split)
+
+
+class FusedF32AttnProcessor(ChunkedAttnProcessor):
+    """`fused_f32`: attention that fits sdiree's fp32 attention kernel (attention_f32.py) as one
+    dispatch on the projections as they are; the rest (masks, odd head dims) `chunked`."""
+
+    def heads_in_place(self, query, key, heads: int, mask) -> bool:
+        return attention_f32.fits_heads(query, key, heads, mask)
+
+    def attend_heads(self, query, key, value, heads: int, scale: float):
+        return attention_f32.f32_attention_heads(query, key, value, heads, scale)
 
 
 def fused_attention(query, key, value, scale, mask):
@@ -261,6 +277,7 @@ def set_attention(
         "sdpa_pow2_keys": Pow2KeysSdpaProcessor,
         "decomposed": AttnProcessor,
         "chunked": ChunkedAttnProcessor,
+        "fused_f32": FusedF32AttnProcessor,
     }
     if attention not in processors:
         raise ValueError(f"unknown attention export choice {attention!r}; one of {ATTENTIONS}")
@@ -270,6 +287,8 @@ def set_attention(
     if matmul == "amx":
         register_amx()
         attention_amx.register()
+    if attention == "fused_f32":
+        attention_f32.register()
     split = is_split(model)  # export choice `amx_operands: bf16x3` (amx_matmul.set_split)
     model.set_attn_processor(processor(block_bytes, matmul, split) if ours else processor())
     if attention == "sdpa":
