@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .amx_matmul import KernelOp, TEMPLATE_HEAD, buffer_views, select_static, template_loader
+from .amx_matmul import TEMPLATE_HEAD, KernelOp, buffer_views, select_static, template_loader
 
 KERNEL = "f32_attention"
 # what the kernel executes: AVX-512 Foundation only (its FMAs, roundscale and scalef)
@@ -130,7 +130,9 @@ def _make_op():
 
     @CustomOp.register(library=def_library("sdiree_f32_attention"))
     class f32_attention(CustomOp):
-        signature = "f32_attention(Tensor q, Tensor k, Tensor v, int heads, float qscale) -> (Tensor)"
+        signature = (
+            "f32_attention(Tensor q, Tensor k, Tensor v, int heads, float qscale) -> (Tensor)"
+        )
 
         def select(self, ksel):
             ksel.attr_float(4)

@@ -37,7 +37,9 @@ def test_fits_unmasked_f32_head_dims_in_steps_of_8():
     assert attention_f32.fits_heads(torch.zeros(2, 64, 1280), torch.zeros(2, 64, 1280), 8, None)
     assert not attention_f32.fits_heads(q, k, 8, torch.zeros(2, 1, 77))  # a mask
     assert not attention_f32.fits_heads(q, k, 64, None)  # 5 wide
-    assert not attention_f32.fits_heads(torch.zeros(2, 64, 96), torch.zeros(2, 64, 96), 8, None)  # 12
+    assert not attention_f32.fits_heads(
+        torch.zeros(2, 64, 96), torch.zeros(2, 64, 96), 8, None
+    )  # 12
     assert not attention_f32.fits_heads(torch.zeros(1, 32, 192), torch.zeros(1, 32, 192), 1, None)
     assert not attention_f32.fits_heads(q.half(), k.half(), 8, None)
 
