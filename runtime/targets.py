@@ -345,7 +345,7 @@ EXPORT_CHOICES = {
         "pointwise_einsum",
         "pointwise_einsum_fhwc",
     ),
-    "linear": ("native", "flat", "panels", "amx"),
+    "linear": ("native", "flat", "panels", "amx", "f32"),
     "transformer": ("native", "channels_first"),  # the UNet's transformer blocks
     "winograd_output": ("batched", "interleaved"),  # a split Winograd conv's inverse transform
     "layout": ("native", "channels_last"),  # the VAE decoder's or UNet's activations

@@ -59,7 +59,14 @@ def kernels_for(options: dict) -> dict[str, str]:
     """The hand-written kernels (specs/kernels) an export with these choices links, {name: sha256
     of its source}: part of the export's cache key."""
     from ..kernel_objects import source_hash
-    from . import amx_matmul, attention_amx, attention_f32, group_norm_kernel, winograd_fused
+    from . import (
+        amx_matmul,
+        attention_amx,
+        attention_f32,
+        group_norm_kernel,
+        linear_f32,
+        winograd_fused,
+    )
 
     names = [amx_matmul.KERNEL] if uses_amx(options) else []
     if options.get("matmul_kernel") == "amx":
@@ -68,16 +75,27 @@ def kernels_for(options: dict) -> dict[str, str]:
             names.append(winograd_fused.KERNEL)
     if options.get("attention") == "fused_f32":
         names.append(attention_f32.KERNEL)
+    if options.get("linear") == "f32":
+        names.append(linear_f32.KERNEL)
     return {name: source_hash(name) for name in names}
 
 
 def ensure_kernels(options: dict) -> None:
     """Build the kernels' objects that an export with these choices names, where the user cache
     lost them (a cached export names them by path: compile/kernel_objects.py)."""
-    from . import amx_matmul, attention_amx, attention_f32, group_norm_kernel, winograd_fused
+    from . import (
+        amx_matmul,
+        attention_amx,
+        attention_f32,
+        group_norm_kernel,
+        linear_f32,
+        winograd_fused,
+    )
 
     if options.get("attention") == "fused_f32":
         attention_f32.object_path()
+    if options.get("linear") == "f32":
+        linear_f32.object_path()
     isa = kernel_isa(options)
     if uses_amx(options):
         amx_matmul.object_path(amx_matmul.KERNEL, isa)
@@ -113,6 +131,7 @@ def cpu_requires(options_by_submodule) -> list[str]:
     """The CPU features the modules of an export need beyond what iree's own code checks: those
     of the hand-written kernels they link."""
     from .attention_f32 import CPU_FEATURES as F32_ATTENTION_FEATURES
+    from .linear_f32 import CPU_FEATURES as F32_LINEAR_FEATURES
 
     need = set()
     for o in options_by_submodule:
@@ -120,6 +139,8 @@ def cpu_requires(options_by_submodule) -> list[str]:
             need.update(KERNEL_FEATURES[kernel_isa(o)])
         if o.get("attention") == "fused_f32":
             need.update(F32_ATTENTION_FEATURES)
+        if o.get("linear") == "f32":
+            need.update(F32_LINEAR_FEATURES)
     return sorted(need)
 
 

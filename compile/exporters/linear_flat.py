@@ -11,7 +11,8 @@ is folded into the contraction, as it already is in the guided `denoise_cfg` (wh
 unchanged), and no copy is made. GPU targets use it; the cpu target packs its weights at compile
 time anyway (parameter encoding) and keeps its graphs.
 
-The choices `panels` (linear_panels.py) and `amx` (linear_amx.py) are bound here too.
+The choices `panels` (linear_panels.py), `amx` (linear_amx.py) and `f32` (linear_f32.py) are
+bound here too.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from .linear_amx import amx_forward, cast_forward, fits_linear, geglu_amx_forward, is_geglu
+from .linear_f32 import f32_forward
+from .linear_f32 import fits_linear as fits_f32
 from .linear_panels import has_panels, heads_merged_inputs, panels_forward
 
-LINEAR_CHOICES = ("native", "flat", "panels", "amx")
+LINEAR_CHOICES = ("native", "flat", "panels", "amx", "f32")
 
 
 def _flat_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -60,6 +63,8 @@ def set_linear_lowering(model: torch.nn.Module, choice: str) -> int:
         elif choice == "amx":  # its own forward, on GEGLU's bf16 result too
             m.forward = types.MethodType(cast_forward, m)
             continue
+        elif choice == "f32" and fits_f32(m):
+            m.forward = types.MethodType(f32_forward(m), m)
         elif choice != "native":
             continue
         count += 1

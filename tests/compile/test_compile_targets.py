@@ -412,3 +412,37 @@ def test_the_v4_bf16_preset_compiles_bf16_on_the_avx512_kernels_and_fp32_on_iree
     assert "--iree-llvmcpu-target-cpu=x86-64-v4" in flags
     assert "--iree-llvmcpu-enable-ukernels=none" not in flags  # iree's bf16 ukernel stays on
     assert "linear" not in cpu.export_for("unet", "fp32", "x86-64-v4-bf16")
+
+
+@pytest.mark.parametrize(
+    "base,features,attention",
+    [
+        (("avx2", "fma", "avx512f"), ("avx512_bf16",), "fused_f32"),  # Zen 4 and 5
+        (("avx2", "fma", "avx512f"), (), "fused_f32"),  # AVX-512 without bf16
+        (("avx2", "fma", "avx512f"), AMX_CPU, "chunked"),  # AMX's own attention kernel
+        (("avx2", "fma"), (), "chunked"),  # AVX2 only
+    ],
+)
+def test_fp32_unet_attention_is_the_f32_kernel_on_avx512_without_amx(
+    tmp_path, base, features, attention
+):
+    """cpu fp32 (`if_cpu_has.avx512f`): the UNet's attention on the fused fp32 FMA kernel
+    (compile/exporters/attention_f32.py), whose AVX-512 the manifest then requires; an AMX CPU
+    keeps `chunked` (its bf16x3 AMX attention kernel), AVX2 and the other submodules too."""
+    import json
+
+    from sdiree.compile.exporters import cpu_requires
+    from sdiree.runtime.targets import load_registry
+
+    specs = _probe_registry(tmp_path, features)
+    data = json.loads((specs / "targets.json").read_text())
+    data["targets"]["cpu"]["arches"]["probe"]["cpu_features"] = [*base, *features]
+    (specs / "targets.json").write_text(json.dumps(data))
+    cpu = load_registry(specs).targets["cpu"]
+    unet = cpu.export_for("unet", "fp32", "probe")
+    assert unet["attention"] == attention
+    for sub in ("text_encoder", "vae_decoder", "vae_encoder"):
+        assert cpu.export_for(sub, "fp32", "probe").get("attention") != "fused_f32"
+    assert cpu.export_for("unet", "bf16", "probe")["attention"] == "chunked"
+    needs = cpu_requires([unet])
+    assert ("avx512f" in needs) == (attention == "fused_f32" or "amx_bf16" in features)

@@ -1,0 +1,72 @@
+"""Export choice `linear: f32`: nn.Linear as one dispatch to sdiree's fp32 linear kernel, bias
+added by the kernel, against torch in float64 (run where this CPU has AVX-512; elsewhere the
+module is only cross-compiled)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from llvm_cpu import DATA_TILING, call_main, compile_main  # noqa: E402
+
+from sdiree.compile.exporters import linear_f32  # noqa: E402
+from sdiree.compile.exporters.linear_flat import set_linear_lowering  # noqa: E402
+
+SYMBOL = b"sdiree_f32_linear_workgroup"
+
+
+def _run(text: str, *inputs: np.ndarray, kernel: bool = True) -> np.ndarray | None:
+    from sdiree.runtime.cpu_features import host_cpu_features
+
+    runs = set(linear_f32.CPU_FEATURES) <= host_cpu_features()
+    vmfb = compile_main(text, DATA_TILING, "host" if runs else "znver4")
+    assert (SYMBOL in vmfb) == kernel
+    return call_main(vmfb, *inputs) if runs else None
+
+
+def test_pack_is_the_weights_transpose_in_panels():
+    w = torch.randn(128, 7)
+    assert torch.equal(linear_f32.unpack(linear_f32.pack(w)), w.t())
+    assert linear_f32.pack(w).shape == (2, 7, 64)
+
+
+@pytest.mark.parametrize(
+    "shape, k, n, bias",
+    [
+        ((2, 77, 96), 96, 320, True),  # rows not a multiple of the 6-row tile; N in 5 panels
+        ((150, 600), 600, 512, False),  # depth past one 512 step, no bias: zeros added
+        ((1, 1030, 40), 40, 1280, True),  # rows in 96-row blocks, the last one short
+        ((3, 64), 64, 64, True),  # under MIN_ROWS: the Linear's own forward
+    ],
+)
+def test_linear_is_one_kernel_dispatch_and_matches_float64(shape, k, n, bias):
+    iree_aot = pytest.importorskip("iree.turbine.aot")
+    torch.manual_seed(k + n)
+    lin = torch.nn.Linear(k, n, bias=bias).eval()
+    if bias:
+        torch.nn.init.normal_(lin.bias)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        want = (x.double() @ lin.weight.double().t()).numpy()
+        if bias:
+            want = want + lin.bias.double().numpy()
+    assert set_linear_lowering(lin, "f32") == 1
+    text = str(iree_aot.export(lin, args=(x,)).mlir_module)
+    rows = int(np.prod(shape[:-1]))
+    assert text.count("flow.dispatch @sdiree_f32_linear_") == (rows >= linear_f32.MIN_ROWS)
+    with torch.no_grad():
+        eager = lin(x).numpy()  # the op's own torch form
+    assert np.abs(eager - want).max() / np.abs(want).max() < 1e-5
+    out = _run(text, x.numpy(), kernel=rows >= linear_f32.MIN_ROWS)
+    if out is None:
+        return
+    assert out.shape == want.shape
+    assert np.abs(out - want).max() / np.abs(want).max() < 1e-5
+
+
+def test_only_outputs_in_whole_panels_take_the_kernel():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Linear(64, 40))
+    assert set_linear_lowering(model, "f32") == 1
+    assert model[1].__dict__.get("forward") is None  # 40 outputs: its own forward
