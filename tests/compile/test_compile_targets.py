@@ -366,8 +366,11 @@ def test_unets_linears_take_the_kernels_on_an_amx_or_avx512_bf16_cpu(
     cpu = load_registry(_probe_registry(tmp_path, features)).targets["cpu"]
     unet = cpu.export_for("unet", dtype, "probe")
     amx = isa is not None
+    # the probe's CPU has avx512f: fp32 without AMX takes the fp32 kernels, channels-last too
+    f32_kernels = dtype == "fp32" and not amx
     assert (unet.get("linear") == "amx") == amx
-    assert (unet.get("layout") == "channels_last") == amx
+    assert (unet.get("linear") == "f32") == f32_kernels
+    assert (unet.get("layout") == "channels_last") == (amx or f32_kernels)
     split = amx and dtype == "fp32"
     subs = ("unet", "vae_decoder", "vae_encoder")
     for sub in subs:
@@ -387,7 +390,7 @@ def test_unets_linears_take_the_kernels_on_an_amx_or_avx512_bf16_cpu(
     # channels-last concatenations stay on the channels (no transposes around them)
     flags = cpu.compile_flags("probe", dtype, "unet")
     outer = [f for f in flags if f.startswith("--iree-opt-outer-dim-concat")]
-    assert (outer[-1:] == ["--iree-opt-outer-dim-concat=false"]) == amx, outer
+    assert (outer[-1:] == ["--iree-opt-outer-dim-concat=false"]) == (amx or f32_kernels), outer
     assert not any(
         "outer-dim-concat=false" in f for f in cpu.compile_flags("probe", dtype, "vae_decoder")
     )
@@ -411,7 +414,10 @@ def test_the_v4_bf16_preset_compiles_bf16_on_the_avx512_kernels_and_fp32_on_iree
     flags = cpu.compile_flags("x86-64-v4-bf16", "bf16", "unet")
     assert "--iree-llvmcpu-target-cpu=x86-64-v4" in flags
     assert "--iree-llvmcpu-enable-ukernels=none" not in flags  # iree's bf16 ukernel stays on
-    assert "linear" not in cpu.export_for("unet", "fp32", "x86-64-v4-bf16")
+    # fp32 there: sdiree's fp32 FMA kernels (linear_f32.py, attention_f32.py), not bf16x3
+    fp32 = cpu.export_for("unet", "fp32", "x86-64-v4-bf16")
+    assert fp32["linear"] == "f32" and fp32["attention"] == "fused_f32"
+    assert "matmul_kernel" not in fp32
 
 
 @pytest.mark.parametrize(
@@ -423,12 +429,13 @@ def test_the_v4_bf16_preset_compiles_bf16_on_the_avx512_kernels_and_fp32_on_iree
         (("avx2", "fma"), (), "chunked"),  # AVX2 only
     ],
 )
-def test_fp32_unet_attention_is_the_f32_kernel_on_avx512_without_amx(
+def test_fp32_unet_takes_the_f32_kernels_on_avx512_without_amx(
     tmp_path, base, features, attention
 ):
-    """cpu fp32 (`if_cpu_has.avx512f`): the UNet's attention on the fused fp32 FMA kernel
-    (compile/exporters/attention_f32.py), whose AVX-512 the manifest then requires; an AMX CPU
-    keeps `chunked` (its bf16x3 AMX attention kernel), AVX2 and the other submodules too."""
+    """cpu fp32 (`if_cpu_has.avx512f`): the UNet's attention and linears on the fp32 FMA kernels
+    (compile/exporters/attention_f32.py, linear_f32.py), whose AVX-512 the manifest then
+    requires; an AMX CPU keeps `chunked` (its bf16x3 AMX kernels), AVX2 and the other
+    submodules too."""
     import json
 
     from sdiree.compile.exporters import cpu_requires
@@ -441,8 +448,12 @@ def test_fp32_unet_attention_is_the_f32_kernel_on_avx512_without_amx(
     cpu = load_registry(specs).targets["cpu"]
     unet = cpu.export_for("unet", "fp32", "probe")
     assert unet["attention"] == attention
+    f32 = attention == "fused_f32"
+    assert (unet.get("linear") == "f32") == f32  # the linears on the fp32 kernel too
     for sub in ("text_encoder", "vae_decoder", "vae_encoder"):
         assert cpu.export_for(sub, "fp32", "probe").get("attention") != "fused_f32"
+        assert cpu.export_for(sub, "fp32", "probe").get("linear") != "f32"
     assert cpu.export_for("unet", "bf16", "probe")["attention"] == "chunked"
+    assert cpu.export_for("unet", "bf16", "probe").get("linear") != "f32"
     needs = cpu_requires([unet])
-    assert ("avx512f" in needs) == (attention == "fused_f32" or "amx_bf16" in features)
+    assert ("avx512f" in needs) == (f32 or "amx_bf16" in features)
