@@ -10,7 +10,9 @@
 
    A workgroup computes rows [wg_m MB, +MB) and columns [wg_n NB, +NB) (clipped to M and N),
    depth in steps of KC (its B strips, 64 x KC, stay in L2 while the rows pass), the bias added
-   as the last step's results are stored. N is a multiple of 64; M and K are any.
+   as the last step's results are stored. N is a multiple of 64; M and K are any. The grid
+   (compile/exporters/linear_f32.py) walks the row blocks fastest, so successive workgroups
+   share their B strip and the weight is read from memory once.
 
    Built freestanding (compile/kernel_objects.py). */
 #include <immintrin.h>
