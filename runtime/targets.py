@@ -351,7 +351,7 @@ EXPORT_CHOICES = {
     "layout": ("native", "channels_last"),  # the VAE decoder's or UNet's activations
     # the kernel of the split Winograd products and `chunked` attention's matmuls: iree's, or
     # sdiree's AMX one (compile/exporters/amx_matmul.py)
-    "matmul_kernel": ("iree", "amx"),
+    "matmul_kernel": ("iree", "amx", "f32"),
     # the AMX kernels' operands: bf16, or each f32 value as two bf16 parts, three products
     # (fp32-class results; compile/exporters/amx_matmul.py)
     "amx_operands": ("bf16", "bf16x3"),

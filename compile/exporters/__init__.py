@@ -75,7 +75,7 @@ def kernels_for(options: dict) -> dict[str, str]:
             names.append(winograd_fused.KERNEL)
     if options.get("attention") == "fused_f32":
         names.append(attention_f32.KERNEL)
-    if options.get("linear") == "f32":
+    if options.get("linear") == "f32" or options.get("matmul_kernel") == "f32":
         names.append(linear_f32.KERNEL)
     return {name: source_hash(name) for name in names}
 
@@ -94,7 +94,7 @@ def ensure_kernels(options: dict) -> None:
 
     if options.get("attention") == "fused_f32":
         attention_f32.object_path()
-    if options.get("linear") == "f32":
+    if options.get("linear") == "f32" or options.get("matmul_kernel") == "f32":
         linear_f32.object_path()
     isa = kernel_isa(options)
     if uses_amx(options):
@@ -139,7 +139,7 @@ def cpu_requires(options_by_submodule) -> list[str]:
             need.update(KERNEL_FEATURES[kernel_isa(o)])
         if o.get("attention") == "fused_f32":
             need.update(F32_ATTENTION_FEATURES)
-        if o.get("linear") == "f32":
+        if o.get("linear") == "f32" or o.get("matmul_kernel") == "f32":
             need.update(F32_LINEAR_FEATURES)
     return sorted(need)
 

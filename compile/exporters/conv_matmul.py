@@ -24,6 +24,7 @@ from .conv_amx import register as register_conv_amx
 from .fhwc import DERIVED_TAG as FHWC_TAG
 from .fhwc import add_fhwc_weights, conv_on_fhwc_filter
 from .im2col import conv2d_as_matmul, conv2d_as_matmul_nhwc, supported
+from .linear_f32 import register as register_f32
 from .winograd import (
     WINOGRAD_OUTPUTS,
     WINOGRAD_TILES,
@@ -94,6 +95,8 @@ def convs_as_matmuls(
     direct take the AMX conv kernel (conv_amx.py)."""
     if matmul_kernel == "amx":
         register_amx()
+    if matmul_kernel == "f32":
+        register_f32()
     if direct:
         register_conv_amx()
     forward = LOWERINGS.get(conv)

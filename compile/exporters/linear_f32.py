@@ -9,6 +9,9 @@ runs at 80-100 % of one core's peak alone (compile/NOTES.md). The weight is pack
 graph ([N / 64, K, 64]: a reshape and transpose of the parameter, which iree's parameter encoder
 computes at compile, as it does its own data-tiled packs), so no call pays for the packing.
 Linears on fewer than MIN_ROWS rows (the time embedding's) keep their own forward.
+
+Export choice `matmul_kernel: "f32"` sends the split Winograd convs' 2-D products (winograd.py
+`_product`) to the same kernel, the transformed weight packed likewise.
 """
 
 from __future__ import annotations
@@ -63,6 +66,25 @@ def _f32_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     bias = self.bias if self.bias is not None else torch.zeros(self.out_features)
     y = _OP(x2, pack(self.weight), bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def f32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [K, N] on the kernel, b packed in the graph (a constant expression where b
+    is a parameter: a Winograd conv's transformed weight); `register()` first."""
+    n = b.shape[-1]
+    return _OP(a, b.reshape(b.shape[0], n // PANEL, PANEL).permute(1, 0, 2), torch.zeros(n))
+
+
+def fits_matmul(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a [M, K] @ b [K, N] can go to the kernel (`matmul_kernel: f32`)."""
+    rows = a.shape[0]
+    return (
+        a.dim() == 2
+        and isinstance(rows, int)
+        and rows >= MIN_ROWS
+        and b.shape[-1] % PANEL == 0
+        and a.dtype == b.dtype == torch.float32
+    )
 
 
 _OP = KernelOp("f32_linear", lambda: _make_op())

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from sdiree.runtime.weights.winograd import WINOGRAD, WINOGRAD_PARAM
 
 from ..placeholders import is_placeholder, mark, placeholder
-from . import winograd_fused
+from . import linear_f32, winograd_fused
 from .amx_matmul import amx_matmul, fits, is_split, operand, pack_b, weight_operand
 from .im2col import conv2d_as_matmul_nhwc, supported
 
@@ -31,7 +31,7 @@ WINOGRAD_TILE = WINOGRAD_TILES["winograd"]
 # "batched" (stacked into one tensor first) or "interleaved" (F(2x2) only; faster at the UNet's
 # sizes, see _inverse_interleaved).
 WINOGRAD_OUTPUTS = ("batched", "interleaved")
-MATMUL_KERNELS = ("iree", "amx")  # the split products' kernel: _product
+MATMUL_KERNELS = ("iree", "amx", "f32")  # the split products' kernel: _product
 
 
 def _combine(coeffs, terms):
@@ -81,7 +81,8 @@ def conv2d_winograd(
     split_min_side (export choice `winograd_split_min_side`) they are one matmul per tile
     element, their products transformed back as output (WINOGRAD_OUTPUTS) says; elsewhere one
     batched matmul (see _winograd_batched). matmul (export choice `matmul_kernel`) `amx` sends
-    the split products that fit it to sdiree's AMX kernel (amx_matmul.py)."""
+    the split products that fit it to sdiree's AMX kernel (amx_matmul.py), `f32` to sdiree's
+    fp32 FMA kernel (linear_f32.py)."""
     xh = x.permute(0, 2, 3, 1)  # conv2d_as_matmul's own first step where Winograd does not apply
     return conv2d_winograd_nhwc(conv, xh, m, output, split_min_side, matmul).permute(0, 3, 1, 2)
 
@@ -177,6 +178,8 @@ def _product(v: torch.Tensor, u: torch.Tensor, matmul: str) -> torch.Tensor:
         split = matmul == SPLIT_AMX
         packed = pack_b(weight_operand(u.transpose(-1, -2), split))
         return amx_matmul(operand(v, split), packed, split)
+    if matmul == "f32" and linear_f32.fits_matmul(v, u):
+        return linear_f32.f32_matmul(v, u)
     return torch.mm(v, u) if v.dim() == 2 else torch.bmm(v, u)
 
 

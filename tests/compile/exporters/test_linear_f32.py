@@ -70,3 +70,33 @@ def test_only_outputs_in_whole_panels_take_the_kernel():
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Linear(64, 40))
     assert set_linear_lowering(model, "f32") == 1
     assert model[1].__dict__.get("forward") is None  # 40 outputs: its own forward
+
+
+def test_split_winograd_products_take_the_kernel_under_matmul_kernel_f32():
+    """`matmul_kernel: f32`: a split Winograd F(2x2) conv's 16 products on the kernel, the conv
+    still torch's."""
+    iree_aot = pytest.importorskip("iree.turbine.aot")
+    from sdiree.compile.exporters.winograd import conv2d_winograd_nhwc
+
+    linear_f32.register()
+    torch.manual_seed(2)
+    conv = torch.nn.Conv2d(16, 64, 3, padding=1).eval()
+
+    class Conv(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv
+
+        def forward(self, x):
+            return conv2d_winograd_nhwc(self.conv, x, 2, "interleaved", 8, "f32")
+
+    x = torch.randn(1, 8, 8, 16)
+    with torch.no_grad():
+        want = conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1).numpy()
+        eager = Conv()(x).numpy()
+    assert np.abs(eager - want).max() / np.abs(want).max() < 1e-5
+    text = str(iree_aot.export(Conv(), args=(x,)).mlir_module)
+    assert text.count("util.call @sdiree_f32_linear_") == 16, text.count("call @sdiree")
+    out = _run(text, x.numpy())
+    if out is not None:
+        assert np.abs(out - want).max() / np.abs(want).max() < 1e-5
