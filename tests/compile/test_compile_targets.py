@@ -429,9 +429,7 @@ def test_the_v4_bf16_preset_compiles_bf16_on_the_avx512_kernels_and_fp32_on_iree
         (("avx2", "fma"), (), "chunked"),  # AVX2 only
     ],
 )
-def test_fp32_unet_takes_the_f32_kernels_on_avx512_without_amx(
-    tmp_path, base, features, attention
-):
+def test_fp32_unet_takes_the_f32_kernels_on_avx512_without_amx(tmp_path, base, features, attention):
     """cpu fp32 (`if_cpu_has.avx512f`): the UNet's attention and linears on the fp32 FMA kernels
     (compile/exporters/attention_f32.py, linear_f32.py), whose AVX-512 the manifest then
     requires; an AMX CPU keeps `chunked` (its bf16x3 AMX kernels), AVX2 and the other
