@@ -312,13 +312,15 @@ def select_static(ksel, tensors: int, attrs: int, result) -> None:
     ksel.return_new_tensor(shape, dtype).specialize_all_dims()
 
 
-def emit_call(loader, kb, kernel: str, name: str, tensors: int, **values) -> None:
-    """A kernel op's `generate`: the template formatted with values, linking kernel's object,
-    called on the op's first `tensors` arguments."""
+def emit_call(
+    loader, kb, kernel: str, name: str, tensors: int, path: str | None = None, **values
+) -> None:
+    """A kernel op's `generate`: the template formatted with values, linking kernel's object
+    (path, else object_path(kernel)), called on the op's first `tensors` arguments."""
     from iree.turbine.runtime.op_reg import impl_helper
 
     func = loader.inline_template_function(
-        kb, kernel, name, name=name, path=object_path(kernel), **values
+        kb, kernel, name, name=name, path=path or object_path(kernel), **values
     )
     kb.yield_results(*impl_helper.call_function(func, *kb.arg_bindings[:tensors]))
 

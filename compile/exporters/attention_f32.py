@@ -18,7 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from .amx_matmul import TEMPLATE_HEAD, KernelOp, buffer_views, select_static, template_loader
+from .amx_matmul import (
+    TEMPLATE_HEAD,
+    KernelOp,
+    buffer_views,
+    emit_call,
+    select_static,
+    template_loader,
+)
 
 KERNEL = "f32_attention"
 # what the kernel executes: AVX-512 Foundation only (its FMAs, roundscale and scalef)
@@ -123,7 +130,7 @@ def object_path() -> str:
 
 
 def _make_op():
-    from iree.turbine.runtime.op_reg import CustomOp, def_library, impl_helper
+    from iree.turbine.runtime.op_reg import CustomOp, def_library
     from iree.turbine.support.ir_imports import RankedTensorType
 
     loader = template_loader(_TEMPLATE)
@@ -147,11 +154,12 @@ def _make_op():
             heads, qscale = ksel.arg_descs[3].v, ksel.arg_descs[4].v
             # the scale is in the function: one function per scale
             name = f"sdiree_f32_attention_{b}x{nq}x{nk}x{heads}x{hd // heads}q{round(qscale * 1e6)}"
-            func = loader.inline_template_function(
+            emit_call(
+                loader,
                 kb,
                 KERNEL,
                 name,
-                name=name,
+                3,
                 path=object_path(),
                 block_q=QUERY_BLOCK,
                 b=b,
@@ -165,6 +173,5 @@ def _make_op():
                 sk=b * nk * hd,
                 qscale=f"{qscale:.9e}",
             )
-            kb.yield_results(*impl_helper.call_function(func, *kb.arg_bindings[:3]))
 
     return f32_attention

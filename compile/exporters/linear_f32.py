@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .amx_matmul import TEMPLATE_HEAD, KernelOp, buffer_views, template_loader
+from .amx_matmul import TEMPLATE_HEAD, KernelOp, buffer_views, emit_call, template_loader
 
 KERNEL = "f32_matmul"
 ISA_FLAGS = ("-mavx512f",)  # what the kernel executes: AVX-512 Foundation's FMAs
@@ -155,7 +155,7 @@ def object_path() -> str:
 
 
 def _make_op():
-    from iree.turbine.runtime.op_reg import CustomOp, def_library, impl_helper
+    from iree.turbine.runtime.op_reg import CustomOp, def_library
     from iree.turbine.support.ir_imports import RankedTensorType
 
     loader = template_loader(_TEMPLATE)
@@ -181,11 +181,12 @@ def _make_op():
             n = j * PANEL
             block_m, block_n = block_for(m, n)
             name = f"sdiree_f32_linear_{m}x{k}x{n}"
-            func = loader.inline_template_function(
+            emit_call(
+                loader,
                 kb,
                 KERNEL,
                 name,
-                name=name,
+                3,
                 path=object_path(),
                 m=m,
                 n=n,
@@ -197,6 +198,5 @@ def _make_op():
                 block_m=block_m,
                 block_n=block_n,
             )
-            kb.yield_results(*impl_helper.call_function(func, *kb.arg_bindings[:3]))
 
     return f32_linear
