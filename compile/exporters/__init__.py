@@ -31,8 +31,11 @@ from sdiree.runtime.targets import UNET_ONLY_EXPORT
 # block chosen by its operands' whole depth; 15: the fused attention takes the real key count
 # (every cross-attention on the kernel, no mask column) and writes bf16 without split; 16: it
 # takes q in f32 as the projection wrote it (its workgroups scale, cast and pad their rows);
-# 17: under `winograd_kernel: fused`, each fused Winograd conv call its own function.
-EXPORTER_REVISION = 17
+# 17: under `winograd_kernel: fused`, each fused Winograd conv call its own function; 18: under
+# `matmul_kernel: f32`, the im2col convs' matmuls on the fp32 kernel, bias in its epilogue, and
+# under `winograd_kernel: fused` the F(2x2) convs on the fp32 Winograd kernels; 19: channels-last
+# GroupNorm statistics in one pass of sums about a reference.
+EXPORTER_REVISION = 19
 # Bumped when weights derived at export (Winograd) are computed differently, so that cached
 # derived archives written before are written again (compile/driver.py). 2: rounded once to the
 # export dtype; before, an fp16 file compiled in fp32 had its transformed weights rounded to fp16
@@ -65,6 +68,7 @@ def kernels_for(options: dict) -> dict[str, str]:
         attention_f32,
         group_norm_kernel,
         linear_f32,
+        winograd_f32,
         winograd_fused,
     )
 
@@ -77,6 +81,8 @@ def kernels_for(options: dict) -> dict[str, str]:
         names.append(attention_f32.KERNEL)
     if options.get("linear") == "f32" or options.get("matmul_kernel") == "f32":
         names.append(linear_f32.KERNEL)
+    if options.get("matmul_kernel") == "f32" and options.get("winograd_kernel") == "fused":
+        names.append(winograd_f32.KERNEL)
     return {name: source_hash(name) for name in names}
 
 
@@ -89,6 +95,7 @@ def ensure_kernels(options: dict) -> None:
         attention_f32,
         group_norm_kernel,
         linear_f32,
+        winograd_f32,
         winograd_fused,
     )
 
@@ -96,6 +103,8 @@ def ensure_kernels(options: dict) -> None:
         attention_f32.object_path()
     if options.get("linear") == "f32" or options.get("matmul_kernel") == "f32":
         linear_f32.object_path()
+    if options.get("matmul_kernel") == "f32" and options.get("winograd_kernel") == "fused":
+        winograd_f32.object_path()
     isa = kernel_isa(options)
     if uses_amx(options):
         amx_matmul.object_path(amx_matmul.KERNEL, isa)

@@ -18,6 +18,7 @@ import types
 
 import torch
 
+from . import winograd_f32
 from .amx_matmul import register as register_amx
 from .conv_amx import MIN_WIDTH, conv3x3_amx, conv3x3_amx_nhwc, fits_conv
 from .conv_amx import register as register_conv_amx
@@ -198,7 +199,8 @@ def set_conv_lowering(
     amx` the 3x3 convs of direct_convs(model, sides) take the AMX conv kernel instead, with no
     transformed weight, unless direct_choice (export choice `direct_convs`) is `none`; with
     winograd_kernel (export choice `winograd_kernel`) `fused` the F(2x2) Winograd convs take
-    sdiree's fused Winograd kernels where they fit (winograd_fused.py). Returns a tag naming the
+    sdiree's fused Winograd kernels where they fit (winograd_fused.py; under `matmul_kernel:
+    f32` the fp32 ones, winograd_f32.py). Returns a tag naming the
     derived parameters it added (None when it added none)."""
     if conv not in CONV_CHOICES:
         raise ValueError(f"export conv choice must be one of {CONV_CHOICES}, not {conv!r}")
@@ -223,6 +225,8 @@ def set_conv_lowering(
     convs_as_matmuls(model, conv, tiles, winograd_output, split_min_side, matmul_kernel, direct)
     if winograd_kernel == "fused" and matmul_kernel == "amx" and m:
         fuse_winograd(model, tiles, m, direct)
+    if winograd_kernel == "fused" and matmul_kernel == "f32" and m:
+        winograd_f32.fuse(model, tiles, m)
     if conv == "pointwise_einsum_fhwc":
         return FHWC_TAG if add_fhwc_weights(model) else None
     return derived_tag(add_winograd_weights(model, m, tiles), whole=not direct) if m else None

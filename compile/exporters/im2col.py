@@ -2,13 +2,15 @@
 [N·OH·OW, KH·KW·C] @ [KH·KW·C, O]; also what every other choice falls back to for the convs it
 does not take. Under `matmul_kernel: amx` the matmul goes to sdiree's AMX kernel where it fits
 (bf16 columns, the weight packed for the kernel in the graph: a constant expression the
-parameter encoder computes)."""
+parameter encoder computes); under `matmul_kernel: f32` to sdiree's fp32 kernel likewise
+(linear_f32.py), the conv's bias added by the kernel."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from . import linear_f32
 from .amx_matmul import amx_matmul, fits, from_operand, is_split, operand, pack_b, weight_operand
 
 
@@ -49,10 +51,14 @@ def conv2d_as_matmul_nhwc(
     if matmul == "amx" and fits(n * oh * ow, o, kh * kw * c):
         weight = conv.weight.permute(0, 2, 3, 1).reshape(o, kh * kw * c)
         out = amx_matmul(operand(cols, split), pack_b(weight_operand(weight, split)), split)
-    else:
-        out = torch.mm(
-            cols.to(conv.weight.dtype), conv.weight.permute(2, 3, 1, 0).reshape(kh * kw * c, o)
-        )
+        if conv.bias is not None:
+            out = out + conv.bias
+        return out.reshape(n, oh, ow, o)
+    weight = conv.weight.permute(2, 3, 1, 0).reshape(kh * kw * c, o)
+    cols = cols.to(conv.weight.dtype)
+    if matmul == "f32" and linear_f32.fits_matmul(cols, weight):
+        return linear_f32.f32_matmul(cols, weight, conv.bias).reshape(n, oh, ow, o)
+    out = torch.mm(cols, weight)
     if conv.bias is not None:
         out = out + conv.bias
     return out.reshape(n, oh, ow, o)

@@ -10,11 +10,19 @@ graph ([N / 64, K, 64]: a reshape and transpose of the parameter, which iree's p
 computes at compile, as it does its own data-tiled packs), so no call pays for the packing.
 Linears on fewer than MIN_ROWS rows (the time embedding's) keep their own forward.
 
+A diffusers GEGLU whose projection fits is one dispatch to the kernel's GEGLU form (value times
+the exact GELU of the gate, only the product written; the weight and bias packed with value and
+gate panels interleaved).
+
 Export choice `matmul_kernel: "f32"` sends the split Winograd convs' 2-D products (winograd.py
-`_product`) to the same kernel, the transformed weight packed likewise.
+`_product`) and the im2col convs' matmuls (im2col.py: 1x1 and strided convs, and the plain 3x3
+ones of `plain_from_downscale`, their bias in the epilogue) to the same kernel, the weight
+packed likewise.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +43,14 @@ def fits_linear(linear: torch.nn.Linear) -> bool:
 def block_for(m: int, n: int) -> tuple[int, int]:
     """A workgroup's rows and columns: 96 x 256 (its A rows and one B strip in L2), 48 rows
     where the rows are few (the grid keeps both workers busy), the 320 and 640 wide outputs
-    whole or in halves."""
+    whole or in halves; a small odd grid's column blocks halved (an odd count leaves one
+    worker idle for the last workgroup: 8 of 15 is 7 % lost)."""
+    block_m = 96 if m >= 1024 else 48
     block_n = 320 if n % 320 == 0 and n <= 640 else 256 if n % 256 == 0 else PANEL
-    return (96 if m >= 1024 else 48), block_n
+    count = -(-m // block_m) * -(-n // block_n)
+    if count % 2 and count < 32 and block_n % (2 * PANEL) == 0:
+        block_n //= 2
+    return block_m, block_n
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -68,11 +81,13 @@ def _f32_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def f32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] @ b [K, N] on the kernel, b packed in the graph (a constant expression where b
-    is a parameter: a Winograd conv's transformed weight); `register()` first."""
+def f32_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a [M, K] @ b [K, N] (+ bias [N]) on the kernel, b packed in the graph (a constant
+    expression where b is a parameter: a Winograd conv's transformed weight, a conv's weight);
+    `register()` first."""
     n = b.shape[-1]
-    return _OP(a, b.reshape(b.shape[0], n // PANEL, PANEL).permute(1, 0, 2), torch.zeros(n))
+    packed = b.reshape(b.shape[0], n // PANEL, PANEL).permute(1, 0, 2)
+    return _OP(a, packed, torch.zeros(n) if bias is None else bias)
 
 
 def fits_matmul(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -87,8 +102,48 @@ def fits_matmul(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-_OP = KernelOp("f32_linear", lambda: _make_op())
-register = _OP.register
+def geglu_forward(geglu: torch.nn.Module):
+    """The forward to bind to a diffusers GEGLU whose projection fits the kernel under `f32`
+    (the kernel's ops registered): the projection and the gate as one dispatch to the kernel's
+    GEGLU form."""
+    register()
+    return _geglu_forward
+
+
+def _geglu_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    proj = self.proj
+    x2 = x.reshape(-1, x.shape[-1])
+    rows, inner = x2.shape[0], proj.out_features // 2
+    if not isinstance(rows, int) or rows < MIN_ROWS or inner % PANEL or x.dtype != torch.float32:
+        value, gate = proj(x).chunk(2, dim=-1)
+        return value * F.gelu(gate)
+    bias = proj.bias if proj.bias is not None else torch.zeros(proj.out_features)
+    y = _GEGLU(x2, pack(interleave(proj.weight, inner)), interleave(bias, inner))
+    return y.reshape(*x.shape[:-1], inner)
+
+
+def interleave(t: torch.Tensor, inner: int) -> torch.Tensor:
+    """[2 * inner, ...] (value rows, then gate rows) interleaved by 64 rows: one packed panel of
+    value, then its gate's."""
+    v = t[:inner].reshape(inner // PANEL, PANEL, *t.shape[1:])
+    g = t[inner:].reshape(inner // PANEL, PANEL, *t.shape[1:])
+    return torch.stack([v, g], dim=1).reshape(t.shape)
+
+
+def _eager_geglu(a, b, bias):
+    y = a @ unpack(b) + bias
+    j = y.shape[-1] // (2 * PANEL)
+    pairs = y.reshape(-1, j, 2, PANEL)
+    return (pairs[:, :, 0] * F.gelu(pairs[:, :, 1])).reshape(y.shape[0], j * PANEL)
+
+
+_OP = KernelOp("f32_linear", lambda: _make_ops()[0])
+_GEGLU = KernelOp("f32_geglu", lambda: _make_ops()[1])
+
+
+def register() -> None:
+    _OP.register()
+    _GEGLU.register()
 
 
 # The grid walks the row blocks fastest: the workgroups that follow each other share one strip
@@ -108,7 +163,7 @@ _TEMPLATE = (
     TEMPLATE_HEAD
     + _GRID
     + """    builtin.module {{
-      func.func private @sdiree_f32_linear_workgroup(memref<f32>, index, memref<f32>, index,
+      func.func private @{workgroup}(memref<f32>, index, memref<f32>, index,
           memref<f32>, index, memref<f32>, index, index, index, index, index, index, index,
           index) -> i32 attributes {{hal.import.static, llvm.bareptr = true}}
       func.func @{name}(%a: !stream.binding, %b: !stream.binding, %bias: !stream.binding,
@@ -122,11 +177,14 @@ _TEMPLATE = (
         %sa = arith.constant {sa} : index
         %sb = arith.constant {sb} : index
         %sc = arith.constant {sc} : index
+        %sbias = arith.constant {sbias} : index
         %mb = arith.constant {block_m} : index
         %nb = arith.constant {block_n} : index
 """
-    + buffer_views(("a", "f32", "sa"), ("b", "f32", "sb"), ("bias", "f32", "N"), ("c", "f32", "sc"))
-    + """        %r = func.call @sdiree_f32_linear_workgroup(%a_base, %a_off, %b_base, %b_off,
+    + buffer_views(
+        ("a", "f32", "sa"), ("b", "f32", "sb"), ("bias", "f32", "sbias"), ("c", "f32", "sc")
+    )
+    + """        %r = func.call @{workgroup}(%a_base, %a_off, %b_base, %b_off,
             %bias_base, %bias_off, %c_base, %c_off, %M, %N, %K, %mb, %nb, %wn, %wm)
             : (memref<f32>, index, memref<f32>, index, memref<f32>, index, memref<f32>, index,
                index, index, index, index, index, index, index) -> i32
@@ -135,11 +193,11 @@ _TEMPLATE = (
     }}
   }}
   util.func private @{name}(%a: tensor<{m}x{k}xf32>, %b: tensor<{j}x{k}x64xf32>,
-      %bias: tensor<{n}xf32>) -> tensor<{m}x{n}xf32> {{
+      %bias: tensor<{sbias}xf32>) -> tensor<{m}x{n}xf32> {{
     %m = arith.constant {m} : index
     %n = arith.constant {n} : index
     %0 = flow.dispatch @{name}_exe::@{name}[%m, %n](%a, %b, %bias)
-        : (tensor<{m}x{k}xf32>, tensor<{j}x{k}x64xf32>, tensor<{n}xf32>) -> tensor<{m}x{n}xf32>
+        : (tensor<{m}x{k}xf32>, tensor<{j}x{k}x64xf32>, tensor<{sbias}xf32>) -> tensor<{m}x{n}xf32>
     util.return %0 : tensor<{m}x{n}xf32>
   }}
 }}
@@ -154,49 +212,65 @@ def object_path() -> str:
     return str(build_object(KERNEL, ISA_FLAGS))
 
 
-def _make_op():
+@functools.cache
+def _make_ops():
     from iree.turbine.runtime.op_reg import CustomOp, def_library
     from iree.turbine.support.ir_imports import RankedTensorType
 
     loader = template_loader(_TEMPLATE)
+    library = def_library("sdiree_f32_linear")
 
-    @CustomOp.register(library=def_library("sdiree_f32_linear"))
+    def generate(kb, kind: str, columns: int) -> None:
+        """a [M, K] @ b (j panels) + bias on the kernel's `kind` form, `columns` packed columns
+        an output column."""
+        m, k = RankedTensorType(kb.arg_bindings[0].type).shape
+        j = RankedTensorType(kb.arg_bindings[1].type).shape[0]
+        n = j * PANEL // columns
+        block_m, block_n = block_for(m, n)
+        emit_call(
+            loader,
+            kb,
+            KERNEL,
+            f"sdiree_f32_{kind}_{m}x{k}x{n}",
+            3,
+            path=object_path(),
+            workgroup=f"sdiree_f32_{kind}_workgroup",
+            m=m, n=n, k=k, j=j, sa=m * k, sb=j * PANEL * k, sc=m * n, sbias=j * PANEL,
+            block_m=block_m, block_n=block_n,
+        )  # fmt: skip
+
+    def select(ksel, columns: int) -> None:
+        args = [ksel.arg_tensor(i) for i in range(3)]
+        for a in args:
+            a.specialize_all_dims()
+        m = args[0].t.shape[0]
+        n = args[1].t.shape[0] * PANEL // columns
+        ksel.return_new_tensor([m, n], torch.float32).specialize_all_dims()
+
+    @CustomOp.register(library=library)
     class f32_linear(CustomOp):
         signature = "f32_linear(Tensor a, Tensor b, Tensor bias) -> (Tensor)"
 
         def select(self, ksel):
-            args = [ksel.arg_tensor(i) for i in range(3)]
-            for a in args:
-                a.specialize_all_dims()
-            m = args[0].t.shape[0]
-            n = args[1].t.shape[0] * PANEL
-            ksel.return_new_tensor([m, n], torch.float32).specialize_all_dims()
+            select(ksel, 1)
 
         def eager_execute(self, a, b, bias):
             return a @ unpack(b) + bias
 
         def generate(self, ksel, kb):
-            m, k = RankedTensorType(kb.arg_bindings[0].type).shape
-            j = RankedTensorType(kb.arg_bindings[1].type).shape[0]
-            n = j * PANEL
-            block_m, block_n = block_for(m, n)
-            name = f"sdiree_f32_linear_{m}x{k}x{n}"
-            emit_call(
-                loader,
-                kb,
-                KERNEL,
-                name,
-                3,
-                path=object_path(),
-                m=m,
-                n=n,
-                k=k,
-                j=j,
-                sa=m * k,
-                sb=n * k,
-                sc=m * n,
-                block_m=block_m,
-                block_n=block_n,
-            )
+            generate(kb, "linear", 1)
 
-    return f32_linear
+    @CustomOp.register(library=library)
+    class f32_geglu(CustomOp):
+        signature = "f32_geglu(Tensor a, Tensor b, Tensor bias) -> (Tensor)"
+
+        def select(self, ksel):
+            select(ksel, 2)
+
+        def eager_execute(self, a, b, bias):
+            return _eager_geglu(a, b, bias)
+
+        def generate(self, ksel, kb):
+            generate(kb, "geglu", 2)
+
+    return f32_linear, f32_geglu

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from .linear_amx import amx_forward, cast_forward, fits_linear, geglu_amx_forward, is_geglu
 from .linear_f32 import f32_forward
 from .linear_f32 import fits_linear as fits_f32
+from .linear_f32 import geglu_forward as geglu_f32_forward
 from .linear_panels import has_panels, heads_merged_inputs, panels_forward
 
 LINEAR_CHOICES = ("native", "flat", "panels", "amx", "f32")
@@ -39,8 +40,8 @@ def _flat_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def set_linear_lowering(model: torch.nn.Module, choice: str) -> int:
     """Rebind the forward of every nn.Linear in model to the lowering named choice (under
-    `panels`, those with panels, and under `amx` those whose features fit its kernel, and GEGLU
-    feed-forwards as one dispatch to its GEGLU form; the others keep their own, under `amx`
+    `panels`, those with panels, and under `amx` and `f32` those whose features fit its kernel,
+    and GEGLU feed-forwards as one dispatch to its GEGLU form; the others keep their own, under `amx`
     taking a bf16 input too); returns how many Linears were rebound to a lowering."""
     if choice not in LINEAR_CHOICES:
         raise ValueError(f"unknown linear lowering {choice!r}")
@@ -51,6 +52,8 @@ def set_linear_lowering(model: torch.nn.Module, choice: str) -> int:
             m.__dict__.pop("forward", None)
             if choice == "amx" and fits_linear(m.proj):
                 m.forward = types.MethodType(geglu_amx_forward(m), m)
+            elif choice == "f32" and fits_f32(m.proj) and m.proj.out_features % 128 == 0:
+                m.forward = types.MethodType(geglu_f32_forward(m), m)
         if not isinstance(m, torch.nn.Linear):
             continue
         m.__dict__.pop("forward", None)  # the class's own forward again

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from sdiree.runtime.weights.winograd import WINOGRAD, WINOGRAD_PARAM
 
 from ..placeholders import is_placeholder, mark, placeholder
-from . import linear_f32, winograd_fused
+from . import linear_f32, winograd_f32, winograd_fused
 from .amx_matmul import amx_matmul, fits, is_split, operand, pack_b, weight_operand
 from .im2col import conv2d_as_matmul_nhwc, supported
 
@@ -101,6 +101,8 @@ def conv2d_winograd_nhwc(
         return conv2d_as_matmul_nhwc(conv, xh, matmul)
     if m == 2 and winograd_fused.takes(conv, xh.shape):
         return winograd_fused.conv3x3_wino_nhwc(conv, xh)
+    if m == 2 and winograd_f32.takes(conv, xh.shape, xh.dtype):
+        return winograd_f32.conv3x3_nhwc(conv, xh)
     u = getattr(conv, WINOGRAD_PARAM, None)
     if u is None:
         u = winograd_weight(conv.weight, m)

@@ -155,9 +155,14 @@ def _eager_input(x: torch.Tensor, h: int, w: int, images: int) -> torch.Tensor:
 
 
 def _eager_conv(v, packed, vec, res, h: int, w: int, images: int) -> torch.Tensor:
+    return eager_inverse(v.float() @ unpack_b(packed).float(), vec, res, h, w, images)
+
+
+def eager_inverse(prods, vec, res, h: int, w: int, images: int) -> torch.Tensor:
+    """The F(2x2) outputs [N, H, W, O] of the products [16, M (>= the tiles), O], plus vec
+    ([N or 1, O]) and res where given."""
     at = torch.tensor(WINOGRAD[2][2], dtype=torch.float32)
     th, tw = h // 2, w // 2
-    prods = v.float() @ unpack_b(packed).float()  # [16, M, O]
     o = prods.shape[-1]
     prods = prods[:, : images * th * tw].reshape(4, 4, images, th, tw, o)
     y = torch.einsum("ar,rsntwo,bs->ntawbo", at, prods, at).reshape(images, h, w, o)
@@ -207,11 +212,13 @@ _INPUT_TEMPLATE = (
 """
 )
 
-_CONV_TEMPLATE = (
+# The products kernel of an F(2x2) conv: vt its V and U element type, u_type U's tensor type,
+# workgroup the kernel's function (the bf16 one here, winograd_f32.py's; same arguments).
+CONV_TEMPLATE = (
     TEMPLATE_HEAD
     + GRID_MN
     + """    builtin.module {{
-      func.func private @sdiree_wino2_conv_workgroup(memref<bf16>, index, memref<bf16>, index,
+      func.func private @{workgroup}(memref<{vt}>, index, memref<{vt}>, index,
           memref<f32>, index, memref<f32>, index, memref<f32>, index, index, index, index,
           index, index, index, index, index, index, index, index, index) -> i32
           attributes {{hal.import.static, llvm.bareptr = true}}
@@ -231,19 +238,19 @@ _CONV_TEMPLATE = (
         %su = arith.muli %nk, %c16 : index
         %sadd = arith.muli %AR, %N : index
 """
-    + buffer_views(("v", "bf16", "sv"), ("u", "bf16", "su"), ("add", "f32", "sadd"))
+    + buffer_views(("v", "{vt}", "sv"), ("u", "{vt}", "su"), ("add", "f32", "sadd"))
     + "{res_view}"
     + buffer_views(("c", "f32", "SO"))
-    + """        %r = func.call @sdiree_wino2_conv_workgroup(%v_base, %v_off, %u_base, %u_off,
+    + """        %r = func.call @{workgroup}(%v_base, %v_off, %u_base, %u_off,
             %add_base, %add_off, {res_base}, {res_off}, %c_base, %c_off, %M, %N, %K, %H, %W,
-            %I, %AR, %has_res, %tb, %nb, %wn, %wm) : (memref<bf16>, index, memref<bf16>,
+            %I, %AR, %has_res, %tb, %nb, %wn, %wm) : (memref<{vt}>, index, memref<{vt}>,
             index, memref<f32>, index, memref<f32>, index, memref<f32>, index, index, index,
             index, index, index, index, index, index, index, index, index, index) -> i32
         return
       }}
     }}
   }}
-  util.func private @{name}(%v: tensor<16x{m}x{k}xbf16>, %u: tensor<16x{j}x{k2}x16x2xbf16>,
+  util.func private @{name}(%v: tensor<16x{m}x{k}x{vt}>, %u: {u_type},
       %add: tensor<{add_rows}x{n}xf32>{res_param}) -> tensor<{images}x{h}x{w}x{n}xf32> {{
     %m = arith.constant {m} : index
     %n = arith.constant {n} : index
@@ -255,7 +262,7 @@ _CONV_TEMPLATE = (
     %so = arith.constant {so} : index
     %0 = flow.dispatch @{name}_exe::@{name}[%m, %n](%v, %u, %add, {res_operand}%m, %n, %k, %h,
         %w, %images, %add_rows, %so)
-        : (tensor<16x{m}x{k}xbf16>, tensor<16x{j}x{k2}x16x2xbf16>, tensor<{add_rows}x{n}xf32>,
+        : (tensor<16x{m}x{k}x{vt}>, {u_type}, tensor<{add_rows}x{n}xf32>,
            {res_type}index, index, index, index, index, index, index, index)
         -> tensor<{images}x{h}x{w}x{n}xf32>
     util.return %0 : tensor<{images}x{h}x{w}x{n}xf32>
@@ -277,9 +284,10 @@ def _conv_values(kb, ksel, has_res: bool) -> dict:
     tb, nb = blocks(m, n, k)
     res_type = f"tensor<{images}x{h}x{w}x{n}xf32>"
     return dict(
-        block_m=tb, block_n=nb, m=m, k=k, n=n, j=j, k2=k2, h=h, w=w, images=images,
+        block_m=tb, block_n=nb, m=m, k=k, n=n, h=h, w=w, images=images,
         add_rows=add_rows, so=images * h * w * n, has_res=int(has_res),
-        **residual_values(has_res, res_type),
+        vt="bf16", u_type=f"tensor<16x{j}x{k2}x16x2xbf16>",
+        workgroup="sdiree_wino2_conv_workgroup", **residual_values(has_res, res_type),
     )  # fmt: skip
 
 
@@ -294,7 +302,7 @@ def _make_ops():
     from iree.turbine.support.ir_imports import RankedTensorType
 
     input_loader = template_loader(_INPUT_TEMPLATE)
-    conv_loader = template_loader(_CONV_TEMPLATE)
+    conv_loader = template_loader(CONV_TEMPLATE)
     library = def_library("sdiree_winograd_fused")
 
     def conv_shape(s, h, w, images):

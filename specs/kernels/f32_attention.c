@@ -21,9 +21,9 @@
 
    Built freestanding (compile/kernel_objects.py); its stack frame is ~57 KB (iree's task
    workers have 128 KB). */
-#include <immintrin.h>
-#include <stddef.h>
 #include <stdint.h>
+
+#include "f32_support.h"
 
 #define NV 2    /* vectors of 16 queries a workgroup */
 #define QB (16 * NV)
@@ -31,19 +31,6 @@
 #define DMAX 160
 #define JT 8    /* keys (Q K^T) or output columns (P V) a register tile */
 #define FLOOR -1.0e30f /* m before any key: 2^(FLOOR - m) is 0, no inf - inf */
-
-/* 2^x, relative error ~2.3e-7 (degree-5 fit of 2^r on |r| <= 1/2); very negative x give 0. */
-static inline __m512 exp2_ps(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.326697064e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.675459936e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550742522e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402212173e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931469440e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.000000119e+0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 /* s[0..JT) = JT keys' scores for the QB queries: rows key[i] (each D long), qt [D][QB]. */
 static inline void scores_tile(float (*s)[QB], const float *const key[JT], const float (*qt)[QB],
@@ -146,7 +133,7 @@ int sdiree_f32_attention_workgroup(const float *q, size_t q_offset, const float 
     }
     if (moved) {
       for (int u = 0; u < NV; ++u) {
-        alpha[u] = exp2_ps(_mm512_sub_ps(m[u], x[u]));
+        alpha[u] = sdiree_f32_exp2(_mm512_sub_ps(m[u], x[u]));
         l[u] = _mm512_mul_ps(l[u], alpha[u]);
         m[u] = x[u];
       }
@@ -159,7 +146,7 @@ int sdiree_f32_attention_workgroup(const float *q, size_t q_offset, const float 
     }
     for (size_t j = 0; j < len; ++j)
       for (int u = 0; u < NV; ++u) {
-        const __m512 e = exp2_ps(_mm512_sub_ps(_mm512_load_ps(&s[j][16 * u]), m[u]));
+        const __m512 e = sdiree_f32_exp2(_mm512_sub_ps(_mm512_load_ps(&s[j][16 * u]), m[u]));
         _mm512_store_ps(&s[j][16 * u], e);
         l[u] = _mm512_add_ps(l[u], e);
       }

@@ -15,11 +15,8 @@
    share their B strip and the weight is read from memory once.
 
    Built freestanding (compile/kernel_objects.py). */
-#include <immintrin.h>
-#include <stddef.h>
+#include "f32_support.h"
 
-#define NR 64  /* columns a tile: four vectors */
-#define MR 6   /* rows a tile */
 #define KC 512 /* depth a step */
 
 /* C[rows][64] (+)= A[rows][kc] B[kc][64], with bias (or nothing) on the last step. */
@@ -27,25 +24,7 @@ static inline __attribute__((always_inline)) void tile(int rows, const float *a,
                                                       const float *b, size_t kc, float *c,
                                                       size_t ldc, int first, const float *bias) {
   __m512 acc[MR][4];
-#pragma GCC unroll 6
-  for (int i = 0; i < MR; ++i)
-    if (i < rows)
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u)
-        acc[i][u] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + i * ldc + 16 * u);
-  for (size_t k = 0; k < kc; ++k) {
-    const __m512 b0 = _mm512_load_ps(b + k * NR), b1 = _mm512_load_ps(b + k * NR + 16);
-    const __m512 b2 = _mm512_load_ps(b + k * NR + 32), b3 = _mm512_load_ps(b + k * NR + 48);
-#pragma GCC unroll 6
-    for (int i = 0; i < MR; ++i)
-      if (i < rows) {
-        const __m512 x = _mm512_set1_ps(a[i * lda + k]);
-        acc[i][0] = _mm512_fmadd_ps(x, b0, acc[i][0]);
-        acc[i][1] = _mm512_fmadd_ps(x, b1, acc[i][1]);
-        acc[i][2] = _mm512_fmadd_ps(x, b2, acc[i][2]);
-        acc[i][3] = _mm512_fmadd_ps(x, b3, acc[i][3]);
-      }
-  }
+  sdiree_f32_accumulate(rows, a, lda, b, kc, acc);
   __m512 add[4];
 #pragma GCC unroll 4
   for (int u = 0; u < 4; ++u) add[u] = bias ? _mm512_loadu_ps(bias + 16 * u) : _mm512_setzero_ps();
@@ -53,8 +32,11 @@ static inline __attribute__((always_inline)) void tile(int rows, const float *a,
   for (int i = 0; i < MR; ++i)
     if (i < rows)
 #pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u)
-        _mm512_storeu_ps(c + i * ldc + 16 * u, _mm512_add_ps(acc[i][u], add[u]));
+      for (int u = 0; u < 4; ++u) {
+        __m512 y = _mm512_add_ps(acc[i][u], add[u]);
+        if (!first) y = _mm512_add_ps(y, _mm512_loadu_ps(c + i * ldc + 16 * u));
+        _mm512_storeu_ps(c + i * ldc + 16 * u, y);
+      }
 }
 
 int sdiree_f32_linear_workgroup(const float *a, size_t a_offset, const float *b,
@@ -83,6 +65,64 @@ int sdiree_f32_linear_workgroup(const float *a, size_t a_offset, const float *b,
         case 1: tile(1, a + i * K + k0, K, bj, kc, c + i * N + j, N, first, add); break;
         default: break;
       }
+    }
+  }
+  return 0;
+}
+
+/* GEGLU: out[M][N] = (A W_v + b_v) * gelu(A W_g + b_g), the exact GELU, for one workgroup's
+   block of out (rows [wg_m MB, +MB), columns [wg_n NB, +NB)). B is the projection's weight
+   packed with its value and gate panels interleaved ([2 N / 64][K][64]: value panel p at 2p,
+   its gate at 2p + 1), the bias likewise. Each register tile takes the whole depth (a GEGLU
+   projection's K is its model width, 320 to 1280: both panels stay in L2 while the rows pass),
+   the gate first, kept as gelu(gate) on the stack, then the value, so only the product is
+   written: [8192, 1280] instead of the two [8192, 1280] halves and an elementwise pass. */
+static inline __attribute__((always_inline)) void geglu_tile(int rows, const float *a, size_t K,
+                                                            const float *bv, const float *bg,
+                                                            const float *bias, float *c,
+                                                            size_t ldc) {
+  __m512 acc[MR][4];
+  float gate[MR][NR] __attribute__((aligned(64)));
+  sdiree_f32_accumulate(rows, a, K, bg, K, acc);
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i)
+    if (i < rows)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u)
+        _mm512_store_ps(&gate[i][16 * u],
+                        sdiree_f32_gelu(_mm512_add_ps(acc[i][u], _mm512_loadu_ps(bias + NR + 16 * u))));
+  sdiree_f32_accumulate(rows, a, K, bv, K, acc);
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i)
+    if (i < rows)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m512 v = _mm512_add_ps(acc[i][u], _mm512_loadu_ps(bias + 16 * u));
+        _mm512_storeu_ps(c + i * ldc + 16 * u, _mm512_mul_ps(v, _mm512_load_ps(&gate[i][16 * u])));
+      }
+}
+
+int sdiree_f32_geglu_workgroup(const float *a, size_t a_offset, const float *b, size_t b_offset,
+                               const float *bias, size_t bias_offset, float *c, size_t c_offset,
+                               size_t M, size_t N, size_t K, size_t MB, size_t NB, size_t wg_n,
+                               size_t wg_m) {
+  a += a_offset;
+  b += b_offset;
+  bias += bias_offset;
+  c += c_offset;
+  const size_t m0 = wg_m * MB, n0 = wg_n * NB;
+  const size_t m1 = m0 + MB < M ? m0 + MB : M, n1 = n0 + NB < N ? n0 + NB : N;
+  for (size_t j = n0; j < n1; j += NR) {
+    const float *bv = b + 2 * (j / NR) * K * NR, *bg = bv + K * NR, *bj = bias + 2 * j;
+    size_t i = m0;
+    for (; i + MR <= m1; i += MR) geglu_tile(MR, a + i * K, K, bv, bg, bj, c + i * N + j, N);
+    switch (m1 - i) { /* the block's last rows */
+      case 5: geglu_tile(5, a + i * K, K, bv, bg, bj, c + i * N + j, N); break;
+      case 4: geglu_tile(4, a + i * K, K, bv, bg, bj, c + i * N + j, N); break;
+      case 3: geglu_tile(3, a + i * K, K, bv, bg, bj, c + i * N + j, N); break;
+      case 2: geglu_tile(2, a + i * K, K, bv, bg, bj, c + i * N + j, N); break;
+      case 1: geglu_tile(1, a + i * K, K, bv, bg, bj, c + i * N + j, N); break;
+      default: break;
     }
   }
   return 0;

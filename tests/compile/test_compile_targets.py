@@ -418,6 +418,8 @@ def test_the_v4_bf16_preset_compiles_bf16_on_the_avx512_kernels_and_fp32_on_iree
     fp32 = cpu.export_for("unet", "fp32", "x86-64-v4-bf16")
     assert fp32["linear"] == "f32" and fp32["attention"] == "fused_f32"
     assert fp32["matmul_kernel"] == "f32"  # the split Winograd products too
+    assert fp32["winograd_kernel"] == "fused"  # the F(2x2) convs on the fp32 Winograd kernels
+    assert fp32["plain_from_downscale"] == 8  # the 8x8 convs plain: no transformed weight
 
 
 @pytest.mark.parametrize(
@@ -448,6 +450,8 @@ def test_fp32_unet_takes_the_f32_kernels_on_avx512_without_amx(tmp_path, base, f
     assert unet["attention"] == attention
     f32 = attention == "fused_f32"
     assert (unet.get("linear") == "f32") == f32  # the linears on the fp32 kernel too
+    # the F(2x2) convs on the fp32 Winograd kernels; never the bf16 ones on an AMX CPU
+    assert (unet.get("winograd_kernel") == "fused") == f32
     for sub in ("text_encoder", "vae_decoder", "vae_encoder"):
         assert cpu.export_for(sub, "fp32", "probe").get("attention") != "fused_f32"
         assert cpu.export_for(sub, "fp32", "probe").get("linear") != "f32"

@@ -17,12 +17,14 @@ from sdiree.compile.exporters.linear_flat import set_linear_lowering  # noqa: E4
 SYMBOL = b"sdiree_f32_linear_workgroup"
 
 
-def _run(text: str, *inputs: np.ndarray, kernel: bool = True) -> np.ndarray | None:
+def _run(
+    text: str, *inputs: np.ndarray, kernel: bool = True, symbol: bytes = SYMBOL
+) -> np.ndarray | None:
     from sdiree.runtime.cpu_features import host_cpu_features
 
     runs = set(linear_f32.CPU_FEATURES) <= host_cpu_features()
     vmfb = compile_main(text, DATA_TILING, "host" if runs else "znver4")
-    assert (SYMBOL in vmfb) == kernel
+    assert (symbol in vmfb) == kernel
     return call_main(vmfb, *inputs) if runs else None
 
 
@@ -99,4 +101,73 @@ def test_split_winograd_products_take_the_kernel_under_matmul_kernel_f32():
     assert text.count("util.call @sdiree_f32_linear_") == 16, text.count("call @sdiree")
     out = _run(text, x.numpy())
     if out is not None:
+        assert np.abs(out - want).max() / np.abs(want).max() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "cin, cout, kernel, stride, side",
+    [
+        (16, 64, 1, 1, 6),  # a 1x1 conv: the input as it is
+        (8, 128, 3, 2, 8),  # a strided 3x3 (a downsampler): im2col first
+        (24, 64, 3, 1, 4),  # a plain 3x3 (`plain_from_downscale`)
+    ],
+)
+def test_im2col_convs_take_the_kernel_under_matmul_kernel_f32(cin, cout, kernel, stride, side):
+    """`matmul_kernel: f32`: an im2col conv's matmul on the kernel, its bias in the epilogue."""
+    iree_aot = pytest.importorskip("iree.turbine.aot")
+    from sdiree.compile.exporters.im2col import conv2d_as_matmul_nhwc
+
+    linear_f32.register()
+    torch.manual_seed(cin + cout)
+    conv = torch.nn.Conv2d(cin, cout, kernel, stride=stride, padding=kernel // 2).eval()
+    torch.nn.init.normal_(conv.bias)
+
+    class Conv(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv
+
+        def forward(self, x):
+            return conv2d_as_matmul_nhwc(self.conv, x, "f32")
+
+    x = torch.randn(2, side, side, cin)
+    with torch.no_grad():
+        want = conv.double()(x.double().permute(0, 3, 1, 2)).permute(0, 2, 3, 1).numpy()
+        conv.float()
+        eager = Conv()(x).numpy()
+    assert np.abs(eager - want).max() / np.abs(want).max() < 1e-5
+    text = str(iree_aot.export(Conv(), args=(x,)).mlir_module)
+    assert text.count("util.call @sdiree_f32_linear_") == 1
+    out = _run(text, x.numpy())
+    if out is not None:
+        assert out.shape == want.shape
+        assert np.abs(out - want).max() / np.abs(want).max() < 1e-5
+
+
+@pytest.mark.parametrize("shape, dim, inner", [((2, 45, 64), 64, 128), ((1, 20, 600), 600, 64)])
+def test_geglu_is_one_kernel_dispatch_and_matches_float64(shape, dim, inner):
+    """A diffusers GEGLU under `linear: f32`: projection, exact GELU of the gate and the product
+    as one dispatch (rows in a short last tile; a depth past the linear's 512 step)."""
+    iree_aot = pytest.importorskip("iree.turbine.aot")
+    from diffusers.models.activations import GEGLU
+
+    torch.manual_seed(dim + inner)
+    geglu = GEGLU(dim, inner).eval()
+    torch.nn.init.normal_(geglu.proj.bias)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        value, gate = torch.nn.functional.linear(
+            x.double(), geglu.proj.weight.double(), geglu.proj.bias.double()
+        ).chunk(2, dim=-1)
+        want = (value * torch.nn.functional.gelu(gate)).numpy()
+    set_linear_lowering(geglu, "f32")
+    with torch.no_grad():
+        eager = geglu(x).numpy()
+    assert np.abs(eager - want).max() / np.abs(want).max() < 1e-5
+    text = str(iree_aot.export(geglu, args=(x,)).mlir_module)
+    assert text.count("flow.dispatch @sdiree_f32_geglu_") == 1
+    assert "flow.dispatch @sdiree_f32_linear_" not in text
+    out = _run(text, x.numpy(), symbol=b"sdiree_f32_geglu_workgroup")
+    if out is not None:
+        assert out.shape == want.shape
         assert np.abs(out - want).max() / np.abs(want).max() < 1e-5
