@@ -33,7 +33,7 @@ from .amx_matmul import (
     select_static,
     template_loader,
 )
-from .winograd_fused import CONV_TEMPLATE, eager_inverse
+from .winograd_fused import CONV_TEMPLATE, conv_products, eager_inverse
 
 KERNEL = "winograd_f32"
 ISA_FLAGS = ("-mavx512f",)
@@ -112,12 +112,7 @@ def conv3x3_nhwc(conv: torch.nn.Conv2d, xh: torch.Tensor, add=None, residual=Non
     packed = pack(getattr(conv, WINOGRAD_PARAM))
     vec = conv.bias if conv.bias is not None else torch.zeros(conv.out_channels)
     vec = vec[None] if add is None else vec + add
-    v = _INPUT(xh)
-    if residual is not None and tuple(residual.shape) == (n, h, w, conv.out_channels):
-        return _CONV_RES(v, packed, vec, residual, h, w, n)
-    y = _CONV(v, packed, vec, h, w, n)
-    # a residual that broadcasts (guidance's shared prefix: one image's skip for two) after
-    return y if residual is None else residual + y
+    return conv_products(_CONV, _CONV_RES, _INPUT(xh), packed, vec, residual, n, h, w)
 
 
 _INPUT = KernelOp("wino2f_input", lambda: _make_ops()[0])

@@ -124,10 +124,16 @@ def conv3x3_wino_padded(conv, xp: torch.Tensor, n: int, h: int, w: int, add=None
     packed = pack_b(u.transpose(-1, -2))  # [16, O / 16, C / 2, 16, 2] bf16
     vec = conv.bias if conv.bias is not None else torch.zeros(conv.out_channels)
     vec = vec.float()[None] if add is None else vec.float() + add.float()
-    v = _INPUT(xp, h, w, n)
-    if residual is not None and tuple(residual.shape) == (n, h, w, conv.out_channels):
-        return _CONV_RES(v, packed, vec, residual.float(), h, w, n)
-    y = _CONV(v, packed, vec, h, w, n)
+    return conv_products(_CONV, _CONV_RES, _INPUT(xp, h, w, n), packed, vec, residual, n, h, w)
+
+
+def conv_products(conv_op, conv_res_op, v, packed, vec, residual, n: int, h: int, w: int):
+    """The products kernel's call on the transformed tiles v: the skip joins the kernel's
+    epilogue where it has the output's shape, else it is added after."""
+    o = vec.shape[-1]
+    if residual is not None and tuple(residual.shape) == (n, h, w, o):
+        return conv_res_op(v, packed, vec, residual.float(), h, w, n)
+    y = conv_op(v, packed, vec, h, w, n)
     # a residual that broadcasts (guidance's shared prefix: one image's skip for two) after
     return y if residual is None else residual + y
 
