@@ -8,6 +8,7 @@ the names, shapes and dtypes the manifest declares before the call.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -42,6 +43,11 @@ class Session:
         submodules = tuple(submodules)
         if device_info.driver in CPU_DRIVERS:
             keep_freed_host_memory()
+        else:
+            # An earlier session left to the cyclic collector must not have its Vulkan device
+            # torn down by a collection that runs inside this one's device or context creation
+            # (a segfault there in CI: compile/NOTES.md, "Sessions torn down late"). Now, first.
+            gc.collect()
         try:
             self._open(submodules)
         except RuntimeError as e:

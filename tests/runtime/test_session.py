@@ -172,3 +172,41 @@ def test_a_bare_data_loss_while_loading_parameters_is_a_loss_on_gpus_only():
     assert session.is_device_lost(lost, gpu=True)
     assert not session.is_device_lost(lost)
     assert not session.is_device_lost(RuntimeError("DATA_LOSS; something else"), gpu=True)
+
+
+def test_a_gpu_session_collects_earlier_sessions_before_its_device(compiled, monkeypatch):
+    """Cyclic garbage (an earlier session a failed call's frames held) is freed before a Vulkan
+    session creates its device, not by a collection that runs inside its creation (a lavapipe
+    segfault in CI); a cpu session leaves the collector alone."""
+    import gc
+
+    from sdiree.runtime import device as device_mod
+    from sdiree.runtime.device import list_devices
+
+    class Cycle:
+        freed = False
+
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            Cycle.freed = True
+
+    seen = []
+    real = device_mod.create_device
+    monkeypatch.setattr(
+        session, "create_device", lambda info: seen.append(Cycle.freed) or real(info)
+    )
+    cases = (
+        ("local-task", compiled.get("cpu", "host", "fp32")),
+        ("vulkan", compiled.get("vulkan-spirv", "lavapipe", "fp32")),
+    )
+    for driver, art in cases:
+        gc.disable()
+        try:
+            Cycle.freed = False
+            Cycle()
+            session.Session(load_manifest(art), list_devices(driver)[0], ["text_encoder"])
+        finally:
+            gc.enable()
+    assert seen == [False, True]
