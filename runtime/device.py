@@ -112,11 +112,27 @@ def pick_preferred(devices: list[DeviceInfo]) -> DeviceInfo:
     return (real or devices)[0]
 
 
-def create_device(info: DeviceInfo):
+_GPU_DEVICES: dict = {}  # (driver, device id) -> the process's device for it
+
+
+def create_device(info: DeviceInfo, fresh: bool = False):
+    """The device for info, one per process and device, shared by its sessions: iree keeps the
+    CPU drivers' one, this module a GPU's. A Vulkan device is not torn down when a session ends:
+    lavapipe's teardown crashed the process now and then (compile/NOTES.md, "Vulkan devices
+    kept"). fresh: replace it with a new one (a lost device stays lost)."""
     rt = _rt()
     if info.driver in CPU_DRIVERS:
         return rt.get_device(info.driver)
-    return rt.get_driver(info.driver).create_device(info.device_id)
+    key = (info.driver, info.device_id)
+    if fresh or key not in _GPU_DEVICES:
+        _GPU_DEVICES.pop(key, None)
+        _GPU_DEVICES[key] = rt.get_driver(info.driver).create_device(info.device_id)
+    return _GPU_DEVICES[key]
+
+
+def forget_device(info: DeviceInfo) -> None:
+    """The next create_device(info) makes a new device (sessions holding this one keep it)."""
+    _GPU_DEVICES.pop((info.driver, info.device_id), None)
 
 
 def to_host(device, array) -> np.ndarray:

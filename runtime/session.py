@@ -8,7 +8,6 @@ the names, shapes and dtypes the manifest declares before the call.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import TypeVar
 import numpy as np
 
 from . import residency
-from .device import CPU_DRIVERS, DeviceInfo, create_device, to_host
+from .device import CPU_DRIVERS, DeviceInfo, create_device, forget_device, to_host
 from .errors import UserError
 from .host_memory import keep_freed_host_memory, release_freed_heap
 from .manifest import FunctionDecl, Manifest
@@ -34,6 +33,7 @@ class Session:
         device_info: DeviceInfo,
         submodules: Iterable[str],
         overrides: WeightOverrides | None = None,
+        fresh_device: bool = False,
     ):
         import iree.runtime as rt
 
@@ -43,19 +43,17 @@ class Session:
         submodules = tuple(submodules)
         if device_info.driver in CPU_DRIVERS:
             keep_freed_host_memory()
-        else:
-            # An earlier session left to the cyclic collector must not have its Vulkan device
-            # torn down by a collection that runs inside this one's device or context creation
-            # (a segfault there in CI: compile/NOTES.md, "Sessions torn down late"). Now, first.
-            gc.collect()
+        gpu = device_info.driver not in CPU_DRIVERS
         try:
-            self._open(submodules)
+            self._open(submodules, fresh_device)
         except RuntimeError as e:
             # lavapipe rarely loses its device while the context loads parameters; a fresh
             # device then loads them fine. A second loss goes to the caller.
-            if not is_device_lost(e, gpu=device_info.driver not in CPU_DRIVERS):
+            if not is_device_lost(e, gpu=gpu):
+                if gpu:  # a failed load may leave state behind on the device: not shared on
+                    forget_device(device_info)
                 raise
-            self._open(submodules)
+            self._open(submodules, fresh=True)
         self._functions = {}
         for name, vm in self._vm_modules.items():
             for fname in manifest.submodules[name].functions:
@@ -64,12 +62,13 @@ class Session:
                     raise UserError(f"{name}.vmfb has no function {fname}; recompile the model")
                 self._functions[(name, fname)] = rt.FunctionInvoker(self.context, self.device, fn)
 
-    def _open(self, submodules: Iterable[str]) -> None:
-        """Create the device, then one context holding the parameters and modules on it."""
+    def _open(self, submodules: Iterable[str], fresh: bool = False) -> None:
+        """Take the device (a new one if fresh), then one context holding the parameters and
+        modules on it."""
         import iree.runtime as rt
 
         manifest, device_info = self.manifest, self.device_info
-        self.device = create_device(device_info)
+        self.device = create_device(device_info, fresh)
         self.instance = rt.VmInstance()
         hal = rt.create_hal_module(self.instance, self.device)
         modules = [hal]
@@ -225,7 +224,7 @@ def with_fresh_device_on_loss(
             f"the {device_info.label} device was lost ({_first_line(e)}); retrying once on a fresh one"
         )
     try:
-        return work(Session(manifest, device_info, submodules, overrides))
+        return work(Session(manifest, device_info, submodules, overrides, fresh_device=True))
     except RuntimeError as e:
         if not is_device_lost(e, gpu):
             raise

@@ -484,3 +484,24 @@ def compiled_inpaint(tiny_inpaint_model, artifacts_root):
         artifacts.compile_ahead(INPAINT_AHEAD)
     yield artifacts
     artifacts.stop_ahead()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+    """A failed test is named on stderr at once (`-q` prints only its F, and a crash later in the
+    run would take the summary with it), and what its frames held (sessions, Vulkan devices) is
+    freed now, in order, not by a collection inside some later test: pytest keeps the failure's
+    traceback in sys.last_* for post-mortem debugging, and iree objects torn down late crashed
+    the process twice in CI (compile/NOTES.md, "Sessions torn down late")."""
+    if not report.failed:
+        return
+    lines = report.longreprtext.splitlines()
+    said = [ln[1:].strip() for ln in lines if ln.startswith("E ")][:1] or lines[-1:]
+    print(f"\nFAILED {report.nodeid} ({report.when}): {''.join(said)[:300]}", file=sys.__stderr__)
+    if report.when == "call":
+        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+            if hasattr(sys, name):
+                delattr(sys, name)
+        import gc
+
+        gc.collect()
