@@ -491,8 +491,8 @@ def pytest_runtest_logreport(report):
     """A failed test is named on stderr at once (`-q` prints only its F, and a crash later in the
     run would take the summary with it), and what its frames held (sessions, Vulkan devices) is
     freed now, in order, not by a collection inside some later test: pytest keeps the failure's
-    traceback in sys.last_* for post-mortem debugging, and iree objects torn down late crashed
-    the process twice in CI (compile/NOTES.md, "Sessions torn down late")."""
+    traceback in sys.last_* for post-mortem debugging, and iree objects torn down late are the
+    likely cause of crashes late in CI runs (compile/NOTES.md, "Vulkan devices kept")."""
     if not report.failed:
         return
     lines = report.longreprtext.splitlines()
