@@ -125,7 +125,6 @@ def create_device(info: DeviceInfo, fresh: bool = False):
         return rt.get_device(info.driver)
     key = (info.driver, info.device_id)
     if fresh or key not in _GPU_DEVICES:
-        _GPU_DEVICES.pop(key, None)
         _GPU_DEVICES[key] = rt.get_driver(info.driver).create_device(info.device_id)
     return _GPU_DEVICES[key]
 

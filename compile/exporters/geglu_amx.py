@@ -36,10 +36,11 @@ from .amx_matmul import (
 BLOCK_N = 2 * MULTIPLE
 
 
-def interleave(t: torch.Tensor, inner: int) -> torch.Tensor:
-    """[2 * inner, ...] (value rows, then gate rows) interleaved by 32 rows."""
-    v = t[:inner].reshape(inner // MULTIPLE, MULTIPLE, *t.shape[1:])
-    g = t[inner:].reshape(inner // MULTIPLE, MULTIPLE, *t.shape[1:])
+def interleave(t: torch.Tensor, inner: int, rows: int = MULTIPLE) -> torch.Tensor:
+    """[2 * inner, ...] (value rows, then gate rows) interleaved by `rows` rows (32 here; the
+    fp32 kernel's panel of 64 in linear_f32.py)."""
+    v = t[:inner].reshape(inner // rows, rows, *t.shape[1:])
+    g = t[inner:].reshape(inner // rows, rows, *t.shape[1:])
     return torch.stack([v, g], dim=1).reshape(t.shape)
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .amx_matmul import TEMPLATE_HEAD, KernelOp, buffer_views, emit_call, template_loader
+from .geglu_amx import interleave
 
 KERNEL = "f32_matmul"
 ISA_FLAGS = ("-mavx512f",)  # what the kernel executes: AVX-512 Foundation's FMAs
@@ -118,16 +119,9 @@ def _geglu_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         value, gate = proj(x).chunk(2, dim=-1)
         return value * F.gelu(gate)
     bias = proj.bias if proj.bias is not None else torch.zeros(proj.out_features)
-    y = _GEGLU(x2, pack(interleave(proj.weight, inner)), interleave(bias, inner))
+    # value and gate rows interleaved by panel: one packed panel of value, then its gate's
+    y = _GEGLU(x2, pack(interleave(proj.weight, inner, PANEL)), interleave(bias, inner, PANEL))
     return y.reshape(*x.shape[:-1], inner)
-
-
-def interleave(t: torch.Tensor, inner: int) -> torch.Tensor:
-    """[2 * inner, ...] (value rows, then gate rows) interleaved by 64 rows: one packed panel of
-    value, then its gate's."""
-    v = t[:inner].reshape(inner // PANEL, PANEL, *t.shape[1:])
-    g = t[inner:].reshape(inner // PANEL, PANEL, *t.shape[1:])
-    return torch.stack([v, g], dim=1).reshape(t.shape)
 
 
 def _eager_geglu(a, b, bias):
