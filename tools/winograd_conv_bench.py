@@ -22,8 +22,10 @@ shipped UNet at 64x64 latents, e.g.:
 `--kernels ISA` (amx or avx512_bf16) compiles with the cpu bf16 UNet flags instead and puts the
 split products on sdiree's matmul kernel built for ISA (`m:inverse:split` as above, export
 choice `matmul_kernel: amx`), and adds the variant `fused`: the conv on the fused Winograd
-kernels (export choice `winograd_kernel: fused`, compile/exporters/winograd_fused.py); each
-conv adds a residual, as a resnet's conv2 does (fused: in its epilogue). The cpu bf16 UNet
+kernels (export choice `winograd_kernel: fused`, compile/exporters/winograd_fused.py), and
+`direct`: the direct 3x3 conv kernel (compile/exporters/conv_amx.py, what a conv takes where
+`direct_convs` puts it); each conv adds a residual, as a resnet's conv2 does (fused and direct:
+in the kernel's epilogue). The cpu bf16 UNet
 on a Zen 4, e.g.:
 
     python tools/winograd_conv_bench.py 320 64 2 2:interleaved:16,fused --kernels avx512_bf16
@@ -57,7 +59,8 @@ def build(
     kernels: str | None = None,
 ):
     """The conv as this variant (m 0: plain; -1: fused), compiled: (vmfb bytes, inputs, torch's
-    output). With kernels (an ISA) on sdiree's kernels, bf16, plus a residual."""
+    output). With kernels (an ISA) on sdiree's kernels, bf16, plus a residual (m -2: the direct
+    conv kernel)."""
     import iree.compiler as ic
     import iree.turbine.aot as aot
     import torch
@@ -69,7 +72,9 @@ def build(
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(channels, channels, 3, padding=1).requires_grad_(False)
     matmul = "amx" if kernels else "iree"
-    if m:
+    if m == -2:
+        lowering = None
+    elif m:
         u = winograd_weight(conv.weight.detach().double(), max(m, 2)).float()  # fused: F(2x2)
         conv.register_parameter(WINOGRAD_PARAM, torch.nn.Parameter(u, requires_grad=False))
         lowering = functools.partial(
@@ -84,23 +89,24 @@ def build(
         conv.forward = types.MethodType(lowering, conv)
         mlir = aot.export(conv.eval(), args=(x,)).mlir_module.operation.get_asm()
         return ic.compile_str(mlir, extra_args=unet_flags()), (x.numpy(),), ref.numpy()
-    return _build_on_kernels(conv, lowering, x, ref, m < 0, kernels)
+    return _build_on_kernels(conv, lowering, x, ref, {-1: "fused", -2: "direct"}.get(m), kernels)
 
 
-def _build_on_kernels(conv, lowering, x, ref, fused: bool, isa: str):
-    """The conv on sdiree's kernels for isa, channels-last, plus a residual (fused: in the
-    fused kernels' epilogue)."""
+def _build_on_kernels(conv, lowering, x, ref, kernel: str | None, isa: str):
+    """The conv on sdiree's kernels for isa, channels-last, plus a residual (kernel `fused` or
+    `direct`: in that kernel's epilogue)."""
     import iree.compiler as ic
     import iree.turbine.aot as aot
     import torch
 
-    from sdiree.compile.exporters import winograd_fused
+    from sdiree.compile.exporters import conv_amx, winograd_fused
     from sdiree.compile.exporters.amx_matmul import register, set_kernel_isa
 
     set_kernel_isa(isa)
     register()
     winograd_fused.register()
-    if fused:
+    conv_amx.register()
+    if kernel == "fused":
         winograd_fused.mark(conv)
 
     class Conv(torch.nn.Module):
@@ -109,8 +115,14 @@ def _build_on_kernels(conv, lowering, x, ref, fused: bool, isa: str):
             self.conv = conv
 
         def forward(self, xh, res):
-            if fused:
+            if kernel == "fused":
                 return winograd_fused.conv3x3_wino_nhwc(self.conv, xh, None, res)
+            if kernel == "direct":
+                n, h, w, c = xh.shape
+                _, _, tail = conv_amx.padded_rows(n, h, w)
+                xp = torch.nn.functional.pad(xh, (0, 0, 1, 1, 1, 1)).reshape(-1, c)
+                xp = torch.nn.functional.pad(xp, (0, 0, 0, tail)).to(torch.bfloat16)
+                return conv_amx.conv3x3_amx_padded(self.conv, xp, n, h, w, residual=res)
             return lowering(self.conv, xh.permute(0, 3, 1, 2)).permute(0, 2, 3, 1) + res
 
     xh = x.permute(0, 2, 3, 1).contiguous()
@@ -144,8 +156,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if text == "plain":
             forms.append((text, "0", "batched", "0"))
             continue
-        if text == "fused" and a.kernels:
-            forms.append((text, "-1", "batched", "0"))
+        if text in ("fused", "direct") and a.kernels:
+            forms.append((text, "-1" if text == "fused" else "-2", "batched", "0"))
             continue
         parts = text.split(":")
         m, inverse, split = parts if len(parts) == 3 else ("", "", "")

@@ -34,8 +34,9 @@ from sdiree.runtime.targets import UNET_ONLY_EXPORT
 # 17: under `winograd_kernel: fused`, each fused Winograd conv call its own function; 18: under
 # `matmul_kernel: f32`, the im2col convs' matmuls on the fp32 kernel, bias in its epilogue, and
 # under `winograd_kernel: fused` the F(2x2) convs on the fp32 Winograd kernels; 19: channels-last
-# GroupNorm statistics in one pass of sums about a reference.
-EXPORTER_REVISION = 19
+# GroupNorm statistics in one pass of sums about a reference; 20: the AMX attention's keys and
+# values packed from the projections by the kernel's own pass (pack_kv).
+EXPORTER_REVISION = 20
 # Bumped when weights derived at export (Winograd) are computed differently, so that cached
 # derived archives written before are written again (compile/driver.py). 2: rounded once to the
 # export dtype; before, an fp16 file compiled in fp32 had its transformed weights rounded to fp16

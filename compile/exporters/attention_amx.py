@@ -79,10 +79,17 @@ def amx_attention_heads(
 ) -> torch.Tensor:
     """The same on the projections [batch, tokens, heads * dim], the result in that layout too:
     the kernel reads each head's queries and writes its output in place (strided rows), so no
-    transpose splits the heads of q or merges those of the output (the keys' and values' split
-    is part of their packing); [batch, queries, heads * dim], bf16 (float32 with split)."""
+    transpose splits the heads of q or merges those of the output; without split the keys and
+    values go from the projections to the kernel's operands in one pass of its own (pack_kv),
+    with split their split is part of their packing; [batch, queries, heads * dim], bf16
+    (float32 with split)."""
     b, nq, hd = query.shape
     d = hd // heads
+    if not split:
+        keys = key.shape[1]
+        k, v = pack_kv(key, heads, 0), pack_kv(value, heads, 1)
+        out = _OP(query.reshape(b, nq, heads, d).float(), k, v, d, keys, 0, scale * LOG2_E)
+        return out.reshape(b, nq, hd)
 
     def by_head(t):  # in bf16: the projection's bias pass writes it so, half the bytes moved
         t = t.to(torch.float32 if split else torch.bfloat16)
@@ -111,12 +118,42 @@ def _attend(q4, key, value, scale: float, split: bool) -> torch.Tensor:
     return _OP(q4.float(), k, v, d, keys, int(split), scale * LOG2_E)
 
 
+def pack_kv(x: torch.Tensor, heads: int, values: int) -> torch.Tensor:
+    """A projection's keys or values (values 1) [batch, keys, heads * dim] as the attention
+    kernel's k or v operand (_attend's without split), in one pass of the kernel's pack_kv:
+    [batch*heads, padded keys / 16, D / 2, 16, 2] or [batch*heads, D / 16, padded keys / 2, 16,
+    2] bf16, D the head dim padded to 32, the keys to 32."""
+    return _PACK(x.float(), heads, values)
+
+
+def _eager_pack(x: torch.Tensor, heads: int, values: int) -> torch.Tensor:
+    b, nk, hd = x.shape
+    d = hd // heads
+    t = x.reshape(b, nk, heads, d).permute(0, 2, 1, 3).reshape(b * heads, nk, d)
+    t = torch.nn.functional.pad(t.to(torch.bfloat16), (0, padded(d) - d, 0, -nk % MULTIPLE))
+    return pack_b(t.transpose(1, 2) if values else t)
+
+
+def _pack_shape(x_shape, heads: int, values: int) -> list[int]:
+    b, nk, hd = x_shape
+    d, nkp = padded(hd // heads), padded(nk)
+    if values:
+        return [b * heads, d // 16, nkp // 2, 16, 2]
+    return [b * heads, nkp // 16, d // 2, 16, 2]
+
+
 def _out_dtype(split) -> torch.dtype:
     return torch.float32 if split else torch.bfloat16
 
 
 _OP = KernelOp("amx_attention", lambda: _make_op())
-register = _OP.register
+_PACK = KernelOp("amx_pack_kv", lambda: _make_pack_op())
+
+
+def register() -> None:
+    """The attention and pack_kv ops (before a trace)."""
+    _OP.register()
+    _PACK.register()
 
 
 _TEMPLATE = (
@@ -251,3 +288,92 @@ def _make_op():
             )
 
     return amx_bf16_attention
+
+
+_PACK_TEMPLATE = (
+    TEMPLATE_HEAD
+    + """    stream.executable.export public @{name} workgroups(%nk: index, %bh: index)
+        -> (index, index, index) {{
+      %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {block_k})>()[%nk]
+      %c1 = arith.constant 1 : index
+      stream.return %x, %bh, %c1 : index, index, index
+    }}
+    builtin.module {{
+      func.func private @sdiree_amx_bf16_pack_kv_workgroup(memref<f32>, index, memref<bf16>,
+          index, index, index, index, index, index, index, index, index) -> i32
+          attributes {{hal.import.static, llvm.bareptr = true}}
+      func.func @{name}(%x: !stream.binding, %o: !stream.binding) {{
+        %c0 = arith.constant 0 : index
+        %wk = stream.dispatch.workgroup.id[0] : index
+        %wh = stream.dispatch.workgroup.id[1] : index
+        %sx = arith.constant {sx} : index
+        %so = arith.constant {so} : index
+        %NK = arith.constant {nk} : index
+        %NKP = arith.constant {nkp} : index
+        %H = arith.constant {h} : index
+        %DQ = arith.constant {dq} : index
+        %D = arith.constant {d} : index
+        %values = arith.constant {values} : index
+"""
+    + buffer_views(("x", "f32", "sx"), ("o", "bf16", "so"))
+    + """        %r = func.call @sdiree_amx_bf16_pack_kv_workgroup(%x_base, %x_off, %o_base, %o_off,
+            %NK, %NKP, %H, %DQ, %D, %values, %wk, %wh) : (memref<f32>, index, memref<bf16>,
+            index, index, index, index, index, index, index, index, index) -> i32
+        return
+      }}
+    }}
+  }}
+  util.func private @{name}(%x: tensor<{b}x{nk}x{hd}xf32>) -> {o_type} {{
+    %nkp = arith.constant {nkp} : index
+    %bh = arith.constant {bh} : index
+    %0 = flow.dispatch @{name}_exe::@{name}[%nkp, %bh](%x) : (tensor<{b}x{nk}x{hd}xf32>)
+        -> {o_type}
+    util.return %0 : {o_type}
+  }}
+}}
+"""
+)
+
+
+def _make_pack_op():
+    from iree.turbine.runtime.op_reg import CustomOp, def_library
+    from iree.turbine.support.ir_imports import RankedTensorType
+
+    loader = template_loader(_PACK_TEMPLATE)
+
+    @CustomOp.register(library=def_library("sdiree_amx_pack_kv"))
+    class amx_bf16_pack_kv(CustomOp):
+        signature = "amx_bf16_pack_kv(Tensor x, int heads, int values) -> (Tensor)"
+
+        def select(self, ksel):
+            select_static(ksel, 1, 2, lambda s, h, v: (_pack_shape(s[0], h, v), torch.bfloat16))
+
+        def eager_execute(self, x, heads, values):
+            return _eager_pack(x, heads, values)
+
+        def generate(self, ksel, kb):
+            b, nk, hd = RankedTensorType(kb.arg_bindings[0].type).shape
+            heads, values = (ksel.arg_descs[i].v for i in (1, 2))
+            shape = _pack_shape((b, nk, hd), heads, values)
+            emit_call(
+                loader,
+                kb,
+                KERNEL,
+                f"sdiree_amx_pack_{'v' if values else 'k'}_{b}x{nk}x{heads}x{hd // heads}",
+                1,
+                block_k=QUERY_BLOCK,
+                sx=b * nk * hd,
+                so=math.prod(shape),
+                b=b,
+                nk=nk,
+                nkp=padded(nk),
+                hd=hd,
+                h=heads,
+                bh=b * heads,
+                dq=hd // heads,
+                d=padded(hd // heads),
+                values=values,
+                o_type="tensor<" + "x".join(map(str, shape)) + "xbf16>",
+            )
+
+    return amx_bf16_pack_kv

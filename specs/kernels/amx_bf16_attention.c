@@ -38,6 +38,11 @@
    along D, v's strips packing the values' hi parts for all NK keys, then their lo parts; P is
    taken to f32's precision (sdiree_exp2) and split likewise.
 
+   sdiree_amx_bf16_pack_kv_workgroup makes k or v above from the projection's f32 output
+   [B][NK][H][DQ] in one pass (cast, head split, zero padding and packing): as iree passes
+   those were a cast-and-transpose, a pad copy and a packing transpose of 16-bit pairs that iree
+   3.13 moved at ~3 GB/s (~30 ms a UNet call at SD 1.5's 64x64 level).
+
    Built freestanding like amx_bf16_matmul.c (compile/kernel_objects.py). Its stack frame is
    ~74 KB (iree's task workers have 128 KB). */
 #include "amx_support.h"
@@ -236,6 +241,53 @@ int sdiree_amx_bf16_attention_workgroup(const float *q, size_t q_offset, const u
       else
         _mm256_mask_storeu_epi16((uint16_t *)o + o_offset + first * DO + row + c, in,
                                  (__m256i)_mm512_cvtneps_pbh(y));
+    }
+  }
+  return 0;
+}
+
+/* k or v (values 1) of the attention kernel for 32 keys of head wg_h of BH = B x H, from the
+   projection's f32 output x [B][NK][H][DQ]: k [BH][NKP / 16][D / 2][16][2], v [BH][D / 16]
+   [NKP / 2][16][2], bf16, zero past the DQ real columns and the NK real keys. Grid (NKP / 32,
+   BH); D a multiple of 32 of at most DV_MAX, NKP of 32. */
+int sdiree_amx_bf16_pack_kv_workgroup(const float *x, size_t x_offset, uint16_t *o,
+                                      size_t o_offset, size_t NK, size_t NKP, size_t H,
+                                      size_t DQ, size_t D, size_t values, size_t wg_k,
+                                      size_t wg_h) {
+  x += x_offset;
+  o += o_offset;
+  const size_t b = wg_h / H, h = wg_h % H, k0 = wg_k * 32;
+  uint16_t t[32][DV_MAX] __attribute__((aligned(64))); /* the 32 keys' rows, bf16, padded */
+  for (size_t r = 0; r < 32; ++r) {
+    const float *src = x + ((b * NK + k0 + r) * H + h) * DQ;
+    for (size_t c = 0; c < D; c += 16) {
+      const __mmask16 in = k0 + r < NK ? sdiree_lanes_before(DQ, c) : 0;
+      _mm256_store_si256((__m256i *)&t[r][c],
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(in, src + c)));
+    }
+  }
+  if (!values) { /* pairs of columns (32 bits) of 16 keys, key after key, pair after pair */
+    uint32_t *dst = (uint32_t *)(o + (wg_h * NKP + k0) * D);
+    const __m512i rows = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(DV_MAX / 2));
+    for (size_t g = 0; g < 2; ++g)
+      for (size_t kp = 0; kp < D / 2; ++kp)
+        _mm512_storeu_si512((void *)(dst + (g * D / 2 + kp) * 16),
+                            _mm512_i32gather_epi32(rows, (const uint32_t *)&t[16 * g][0] + kp, 4));
+    return 0;
+  }
+  /* per strip of 16 columns: pairs of keys, each column's two values side by side */
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  for (size_t j = 0; j < D / 16; ++j) {
+    uint16_t *dst = o + ((wg_h * (D / 16) + j) * (NKP / 2) + k0 / 2) * 32;
+    for (size_t kp = 0; kp < 16; ++kp) {
+      const __m512i ab = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)&t[2 * kp][16 * j])),
+          _mm256_load_si256((const __m256i *)&t[2 * kp + 1][16 * j]), 1);
+      _mm512_storeu_si512((void *)(dst + kp * 32), _mm512_permutexvar_epi16(pairs, ab));
     }
   }
   return 0;

@@ -160,12 +160,47 @@ def test_exported_heads_in_place_read_and_write_strided_rows(kernel_isa):
     q, k, v = torch.randn(2, 64, 160) * 3, torch.randn(2, 77, 160), torch.randn(2, 77, 160)
     text = str(iree_aot.export(Attend(), args=(q, k, v)).mlir_module)
     assert text.count("flow.dispatch @sdiree_amx_attention_2x64x4x") == 1
+    assert text.count("flow.dispatch @sdiree_amx_pack_") == 2  # the keys' and values' packing
     out = run_amx_main(text, q.numpy(), k.numpy(), v.numpy(), kernel=KERNEL_SYMBOL)
     if out is None:
         return
     want = _merge(_attention64(_split(q, 4), _split(k, 4), _split(v, 4), 40**-0.5), 2).numpy()
     assert out.shape == want.shape
     assert np.abs(out - want).max() / np.abs(want).max() < 2e-2
+
+
+@pytest.mark.parametrize("values", [0, 1])
+@pytest.mark.parametrize(
+    "nk, heads, d",
+    [
+        (64, 8, 40),  # SD 1.5's 64x64 level: the head dim padded to 64
+        (77, 4, 40),  # the text's keys, padded to 96 (zeros past 77)
+        (32, 3, 80),
+        (96, 1, 160),  # a head dim with no padding
+    ],
+)
+def test_exported_pack_kv_is_one_dispatch_and_the_graphs_packing(nk, heads, d, values, kernel_isa):
+    """pack_kv (the keys' or values' cast, head split, padding and packing in one pass of the
+    kernel) gives the attention kernel's operand bit for bit as the graph's ops pack it."""
+    iree_aot = pytest.importorskip("iree.turbine.aot")
+    attention_amx.register()
+
+    class Pack(torch.nn.Module):
+        def forward(self, x):
+            return attention_amx.pack_kv(x, heads, values).float()
+
+    torch.manual_seed(nk + d + values)
+    x = torch.randn(2, nk, heads * d)
+    text = str(iree_aot.export(Pack(), args=(x,)).mlir_module)
+    assert text.count("flow.dispatch @sdiree_amx_pack_") == 1
+    want = attention_amx._eager_pack(x, heads, values).float().numpy()
+    out = run_amx_main(text, x.numpy(), kernel="sdiree_amx_bf16_pack_kv_workgroup")
+    if out is None:
+        return
+    assert out.shape == want.shape
+    assert np.array_equal(out, want)
+    # the head dim's padding is zeros (the keys': pairs of columns past d)
+    assert not (out[:, :, d // 2 :] if not values else out[:, d // 16 + (d % 16 > 0) :]).any()
 
 
 @pytest.mark.parametrize("cross", [False, True])
