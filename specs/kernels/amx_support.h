@@ -106,11 +106,26 @@ static inline void sdiree_dp_32x32(sdiree_acc *t, const void *a, size_t lda, con
   }
 }
 
-/* sdiree_dp_32x32 where only the block's first `cols` columns are wanted (AMX: all of them). */
+/* sdiree_dp_32x32 where only the block's first `cols` columns are wanted: at most 16, the first
+   strip's alone, half the products (tiles 1 and 3 keep what they hold). Attention's P V at a
+   head dim of 40 padded to 64: its last block has 8 real columns; the kernel alone, one
+   thread, 2x8x4096x4096: 95 -> 87-89 ms. */
 static inline void sdiree_dp_32x32_cols(sdiree_acc *t, const void *a, size_t lda, const void *b0,
                                         const void *b1, size_t depth, size_t cols) {
-  (void)cols;
-  sdiree_dp_32x32(t, a, lda, b0, b1, depth);
+  if (cols > 16) {
+    sdiree_dp_32x32(t, a, lda, b0, b1, depth);
+    return;
+  }
+  (void)t;
+  (void)b1;
+  const uint8_t *a0 = (const uint8_t *)a, *a1 = a0 + 16 * lda, *s0 = (const uint8_t *)b0;
+  for (size_t k = 0; k < depth; k += 32) {
+    _tile_loadd(4, a0 + k * 2, lda);
+    _tile_loadd(6, s0 + k * 32, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(5, a1 + k * 2, lda);
+    _tile_dpbf16ps(2, 5, 6);
+  }
 }
 
 /* A fresh block's A x B stored at c (row stride ldc bytes): zero, dp and store in one. */
