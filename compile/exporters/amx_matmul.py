@@ -91,12 +91,18 @@ def unpack_b(packed: torch.Tensor) -> torch.Tensor:
     return packed.permute(*range(len(lead)), -3, -1, -4, -2).reshape(*lead, k2 * 2, j * 16)
 
 
-def amx_matmul(a: torch.Tensor, packed: torch.Tensor, split: bool = False) -> torch.Tensor:
+def amx_matmul(
+    a: torch.Tensor, packed: torch.Tensor, split: bool = False, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """a [M, K] bf16 times pack_b's operand: [M, N] float32; or a batch of them, a [B, M, K]
     and pack_b's operand of a [B, N, K] weight (one dispatch, the batch its grid's third axis).
-    With split, both are hi and lo parts side by side (operand, weight_operand).
-    `register()` first, outside a trace: dynamo cannot trace the op's registration."""
-    return _OP(a, packed, int(split))
+    With split, both are hi and lo parts side by side (operand, weight_operand). With a bias
+    [N], every row of the result starts from it (the kernel's accumulators are loaded with it:
+    no pass of the graph adds it). `register()` first, outside a trace: dynamo cannot trace the
+    op's registration."""
+    if bias is None:
+        return _OP(a, packed, int(split))
+    return _OP_BIAS(a, packed, bias.float(), int(split))
 
 
 AMX_OPERANDS = ("bf16", "bf16x3")  # export choice `amx_operands`
@@ -174,8 +180,14 @@ class KernelOp:
         return self.op(*args)
 
 
-_OP = KernelOp("amx_matmul", lambda: _make_op())
-register = _OP.register
+_OP = KernelOp("amx_matmul", lambda: _make_op(False))
+_OP_BIAS = KernelOp("amx_matmul_bias", lambda: _make_op(True))
+
+
+def register() -> None:
+    """The matmul ops, without and with a bias (before a trace)."""
+    _OP.register()
+    _OP_BIAS.register()
 
 
 # What every template of a hand-written kernel starts with: the module, and the stream executable
@@ -245,9 +257,9 @@ _TEMPLATE = (
     }}
     builtin.module {{
       func.func private @sdiree_amx_bf16_matmul_workgroup(memref<bf16>, index, memref<bf16>,
-          index, memref<f32>, index, index, index, index, index, index, index, index, index)
-          -> i32 attributes {{hal.import.static, llvm.bareptr = true}}
-      func.func @{name}(%a: !stream.binding, %b: !stream.binding, %c: !stream.binding,
+          index, memref<f32>, index, index, memref<f32>, index, index, index, index, index,
+          index, index, index, index) -> i32 attributes {{hal.import.static, llvm.bareptr = true}}
+      func.func @{name}(%a: !stream.binding, %b: !stream.binding, {bias_arg}%c: !stream.binding,
           %B: index, %M: index, %N: index, %K: index) {{
         %c0 = arith.constant 0 : index
         %wn = stream.dispatch.workgroup.id[0] : index
@@ -261,7 +273,7 @@ _TEMPLATE = (
         %sc = arith.muli %ec, %B : index
 """
     + buffer_views(("a", "bf16", "sa"), ("b", "bf16", "sb"), ("c", "f32", "sc"))
-    + """        %da = arith.muli %wb, %ea : index
+    + """{bias_view}        %da = arith.muli %wb, %ea : index
         %db = arith.muli %wb, %eb : index
         %dc = arith.muli %wb, %ec : index
         %ao = arith.addi %a_off, %da : index
@@ -270,21 +282,22 @@ _TEMPLATE = (
         %mb = arith.constant {block_m} : index
         %nb = arith.constant {block_n} : index
         %split = arith.constant {split} : index
-        %r = func.call @sdiree_amx_bf16_matmul_workgroup(%a_base, %ao, %b_base, %bo, %c_base,
-            %co, %M, %N, %K, %mb, %nb, %split, %wn, %wm) : (memref<bf16>, index, memref<bf16>,
-            index, memref<f32>, index, index, index, index, index, index, index, index, index)
-            -> i32
+        %has_bias = arith.constant {has_bias} : index
+        %r = func.call @sdiree_amx_bf16_matmul_workgroup(%a_base, %ao, %b_base, %bo,
+            {bias_base}, {bias_off}, %has_bias, %c_base, %co, %M, %N, %K, %mb, %nb, %split, %wn,
+            %wm) : (memref<bf16>, index, memref<bf16>, index, memref<f32>, index, index,
+            memref<f32>, index, index, index, index, index, index, index, index, index) -> i32
         return
       }}
     }}
   }}
-  util.func private @{name}(%a: {a_type}, %b: {b_type}) -> {c_type} {{
+  util.func private @{name}(%a: {a_type}, %b: {b_type}{bias_param}) -> {c_type} {{
     %bt = arith.constant {bt} : index
     %m = arith.constant {m} : index
     %n = arith.constant {n} : index
     %k = arith.constant {k} : index
-    %0 = flow.dispatch @{name}_exe::@{name}[%m, %n, %bt](%a, %b, %bt, %m, %n, %k)
-        : ({a_type}, {b_type}, index, index, index, index) -> {c_type}
+    %0 = flow.dispatch @{name}_exe::@{name}[%m, %n, %bt](%a, %b, {bias_operand}%bt, %m, %n, %k)
+        : ({a_type}, {b_type}, {bias_type}index, index, index, index) -> {c_type}
     util.return %0 : {c_type}
   }}
 }}
@@ -350,27 +363,52 @@ def _mlir_binding_compat() -> None:
             cls.isinstance = staticmethod(lambda t, cls=cls: isinstance(t, cls))
 
 
-def _make_op():
+def _bias_values(has_bias: bool, n: int) -> dict:
+    """The template values of the matmul's optional bias operand ([N] f32): its binding, view,
+    pointer and offset (C's in its place without one: never read), parameter, operand, type."""
+    return dict(
+        has_bias=int(has_bias),
+        bias_arg="%bias: !stream.binding, " if has_bias else "",
+        bias_view=buffer_views(("bias", "f32", "N")).replace("{{", "{").replace("}}", "}")
+        if has_bias
+        else "",
+        bias_base="%bias_base" if has_bias else "%c_base",
+        bias_off="%bias_off" if has_bias else "%c_off",
+        bias_param=f", %bias: tensor<{n}xf32>" if has_bias else "",
+        bias_operand="%bias, " if has_bias else "",
+        bias_type=f"tensor<{n}xf32>, " if has_bias else "",
+    )
+
+
+def _make_op(has_bias: bool):
     from iree.turbine.runtime.op_reg import CustomOp, def_library
     from iree.turbine.support.ir_imports import RankedTensorType
 
     loader = template_loader(_TEMPLATE)
+    tensors = 3 if has_bias else 2
+    if has_bias:
+        name, sig, lib = "amx_bf16_matmul_bias", "Tensor a, Tensor b, Tensor bias", "sdiree_amx_b"
+    else:
+        name, sig, lib = "amx_bf16_matmul", "Tensor a, Tensor b", "sdiree_amx"
 
-    @CustomOp.register(library=def_library("sdiree_amx"))
-    class amx_bf16_matmul(CustomOp):
-        signature = "amx_bf16_matmul(Tensor a, Tensor b, int split) -> (Tensor)"
+    class amx_bf16_matmul_op(CustomOp):
+        signature = f"{name}({sig}, int split) -> (Tensor)"
 
         def select(self, ksel):
-            select_static(ksel, 2, 1, lambda s, _: ([*s[0][:-1], s[1][-4] * 16], torch.float32))
+            select_static(
+                ksel, tensors, 1, lambda s, _: ([*s[0][:-1], s[1][-4] * 16], torch.float32)
+            )
 
-        def eager_execute(self, a, b, split):
-            return product(a, unpack_b(b), bool(split))
+        def eager_execute(self, a, b, *rest):
+            *bias, split = rest
+            c = product(a, unpack_b(b), bool(split))
+            return c + bias[0] if bias else c
 
         def generate(self, ksel, kb):
             *batch, m, k = RankedTensorType(kb.arg_bindings[0].type).shape
             j, k2 = RankedTensorType(kb.arg_bindings[1].type).shape[-4:-2]
             lead = "".join(f"{d}x" for d in batch)
-            split = ksel.arg_descs[2].v
+            split = ksel.arg_descs[tensors].v
             # by the operand's whole depth: split, A's rows are twice as long (both parts),
             # and the wide block's A rows no longer stay in L1 past 320 deep (SD 1.5's fp32
             # UNet call x0.958 against blocks by the real K, compile/NOTES.md)
@@ -379,8 +417,10 @@ def _make_op():
                 loader,
                 kb,
                 KERNEL,
-                f"sdiree_amx_matmul_{lead}{m}x{k}x{j * 16}{'s' if split else ''}",
-                2,
+                f"sdiree_amx_matmul_{lead}{m}x{k}x{j * 16}{'s' if split else ''}"
+                f"{'b' if has_bias else ''}",
+                tensors,
+                **_bias_values(has_bias, j * 16),
                 block_m=block_m,
                 block_n=block_n,
                 split=split,
@@ -393,4 +433,4 @@ def _make_op():
                 c_type=f"tensor<{lead}{m}x{j * 16}xf32>",
             )
 
-    return amx_bf16_matmul
+    return CustomOp.register(library=def_library(lib))(amx_bf16_matmul_op)

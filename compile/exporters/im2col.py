@@ -50,9 +50,8 @@ def conv2d_as_matmul_nhwc(
     c = c // 2 if cols.dtype == torch.bfloat16 and split else c  # the parts' real channels
     if matmul == "amx" and fits(n * oh * ow, o, kh * kw * c):
         weight = conv.weight.permute(0, 2, 3, 1).reshape(o, kh * kw * c)
-        out = amx_matmul(operand(cols, split), pack_b(weight_operand(weight, split)), split)
-        if conv.bias is not None:
-            out = out + conv.bias
+        packed = pack_b(weight_operand(weight, split))
+        out = amx_matmul(operand(cols, split), packed, split, conv.bias)  # bias in the kernel
         return out.reshape(n, oh, ow, o)
     weight = conv.weight.permute(2, 3, 1, 0).reshape(kh * kw * c, o)
     cols = cols.to(conv.weight.dtype)

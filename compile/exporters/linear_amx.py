@@ -57,11 +57,12 @@ def _amx_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return cast_forward(self, x)
     if pad:
         x2 = F.pad(x2, (0, 0, 0, pad))
-    y = amx_matmul(operand(x2, split), pack_b(weight_operand(self.weight, split)), split)
+    # the bias in the kernel's accumulators: iree added it in a pass of its own over the f32
+    # result (fused with a residual add after it where there is one)
+    w = pack_b(weight_operand(self.weight, split))
+    y = amx_matmul(operand(x2, split), w, split, self.bias)
     if pad:
         y = y[:rows]
-    if self.bias is not None:
-        y = y + self.bias
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

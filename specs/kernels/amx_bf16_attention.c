@@ -178,7 +178,7 @@ int sdiree_amx_bf16_attention_workgroup(const float *q, size_t q_offset, const u
     for (size_t n = 0; n < len; n += 32) {
       const uint8_t *b0 = kh + ((kb + n) / 16) * k_strip;
       if (!split) {
-        sdiree_dp_32x32_store(&tiles, qh, ldq, b0, b0 + k_strip, qk_depth, &s[0][n], KB * 4);
+        sdiree_dp_32x32_store(&tiles, qh, ldq, b0, b0 + k_strip, qk_depth, &s[0][n], KB * 4, 0);
         continue;
       }
       sdiree_zero_32x32(&tiles);

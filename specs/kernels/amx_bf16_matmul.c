@@ -14,7 +14,9 @@
    workgroup grid is (N / NB, M / MB): each call computes one MB x NB block of C, 32 x 32 at a
    time in four accumulator tiles (0-3), two A tiles (4, 5) and two B tiles (6, 7). The matmul's
    MB and NB come with the call (compile/exporters/amx_matmul.py picks them by shape), the
-   others' are SDIREE_AMX_MB x SDIREE_AMX_NB.
+   others' are SDIREE_AMX_MB x SDIREE_AMX_NB. With a bias (has_bias), every row of C starts from
+   it: the accumulators are loaded with the bias before the products (amx_support.h,
+   sdiree_init_32x32), where iree added it in a pass of its own over C.
 
    With `split` 1 (the exports' `amx_operands: bf16x3`), A's rows are [hi | lo] (K / 2 each) and
    B packs [hi | lo] along K: each operand an f32 value as the sum of two bf16 parts, three
@@ -66,10 +68,12 @@ static inline void sdiree_conv_store(const sdiree_conv_epilogue *e, float blk[32
 }
 
 /* One workgroup's block of C = sum over taps t of A shifted by shifts[t] rows, times B_t (the
-   taps' packed B operands one after another): the matmul is one tap, the 3x3 conv below nine.
-   Without an epilogue C is [M][N]; with one, it says where the blocks go. */
-static inline void sdiree_taps_workgroup(const uint16_t *a, const uint16_t *b, float *c, size_t M,
-                                         size_t N, size_t K, const size_t *shifts, size_t taps,
+   taps' packed B operands one after another), plus bias[N] in every row where not NULL: the
+   matmul is one tap, the 3x3 conv below nine. Without an epilogue C is [M][N]; with one, it
+   says where the blocks go. */
+static inline void sdiree_taps_workgroup(const uint16_t *a, const uint16_t *b, const float *bias,
+                                         float *c, size_t M, size_t N, size_t K,
+                                         const size_t *shifts, size_t taps,
                                          const sdiree_conv_epilogue *ep, size_t MB, size_t NB,
                                          int split, size_t wg_n, size_t wg_m) {
   sdiree_configure_tiles();
@@ -88,10 +92,14 @@ static inline void sdiree_taps_workgroup(const uint16_t *a, const uint16_t *b, f
     const size_t m = m_begin + 32 * (rows_outer ? i / steps_n : i % steps_m);
     if (taps == 1 && !ep && !split) { /* a plain matmul's block goes straight to C */
       const uint8_t *b0 = (const uint8_t *)b + (n / 16) * strip;
-      sdiree_dp_32x32_store(&tiles, a + m * K, lda, b0, b0 + strip, K, c + m * N + n, ldc);
+      sdiree_dp_32x32_store(&tiles, a + m * K, lda, b0, b0 + strip, K, c + m * N + n, ldc,
+                            bias ? bias + n : 0);
       continue;
     }
-    sdiree_zero_32x32(&tiles);
+    if (bias)
+      sdiree_init_32x32(&tiles, bias + n);
+    else
+      sdiree_zero_32x32(&tiles);
     for (size_t t = 0; t < taps; ++t) {
       const uint8_t *b0 = (const uint8_t *)b + t * tap_bytes + (n / 16) * strip;
       sdiree_dp_any_32x32(&tiles, a + (m + shifts[t]) * K, lda, b0, b0 + strip, K, split);
@@ -107,13 +115,14 @@ static inline void sdiree_taps_workgroup(const uint16_t *a, const uint16_t *b, f
 }
 
 int sdiree_amx_bf16_matmul_workgroup(const uint16_t *a, size_t a_offset, const uint16_t *b,
-                                     size_t b_offset, float *c, size_t c_offset, size_t M,
+                                     size_t b_offset, const float *bias, size_t bias_offset,
+                                     size_t has_bias, float *c, size_t c_offset, size_t M,
                                      size_t N, size_t K, size_t MB, size_t NB, size_t split,
                                      size_t wg_n, size_t wg_m) {
   sdiree_request_amx();
   const size_t none = 0;
-  sdiree_taps_workgroup(a + a_offset, b + b_offset, c + c_offset, M, N, K, &none, 1, 0, MB, NB,
-                        (int)split, wg_n, wg_m);
+  sdiree_taps_workgroup(a + a_offset, b + b_offset, has_bias ? bias + bias_offset : 0,
+                        c + c_offset, M, N, K, &none, 1, 0, MB, NB, (int)split, wg_n, wg_m);
   return 0;
 }
 
@@ -206,7 +215,7 @@ int sdiree_amx_bf16_conv3x3_out_workgroup(const uint16_t *a, size_t a_offset, co
   for (size_t t = 0; t < 9; ++t) shifts[t] = (t / 3) * row + t % 3;
   const sdiree_conv_epilogue ep = {add + add_offset, has_res ? res + res_offset : 0,
                                    out + out_offset, row, H, images, add_rows};
-  sdiree_taps_workgroup(a + a_offset, b + b_offset, 0, M, N, K, shifts, 9, &ep, SDIREE_AMX_MB,
+  sdiree_taps_workgroup(a + a_offset, b + b_offset, 0, 0, M, N, K, shifts, 9, &ep, SDIREE_AMX_MB,
                         SDIREE_AMX_NB, (int)split, wg_n, wg_m);
   return 0;
 }

@@ -128,10 +128,25 @@ static inline void sdiree_dp_32x32_cols(sdiree_acc *t, const void *a, size_t lda
   }
 }
 
-/* A fresh block's A x B stored at c (row stride ldc bytes): zero, dp and store in one. */
+/* Every row of the block set to init's 32 values (a linear's bias): tile loads of one row
+   (stride 0), so the bias costs no pass over C and no vector work. */
+static inline void sdiree_init_32x32(sdiree_acc *t, const float *init) {
+  (void)t;
+  _tile_loadd(0, init, 0);
+  _tile_loadd(1, init + 16, 0);
+  _tile_loadd(2, init, 0);
+  _tile_loadd(3, init + 16, 0);
+}
+
+/* A fresh block's A x B, plus init's 32 values in every row where init is not NULL, stored at
+   c (row stride ldc bytes): zero (or init), dp and store in one. */
 static inline void sdiree_dp_32x32_store(sdiree_acc *t, const void *a, size_t lda, const void *b0,
-                                         const void *b1, size_t depth, void *c, size_t ldc) {
-  sdiree_zero_32x32(t);
+                                         const void *b1, size_t depth, void *c, size_t ldc,
+                                         const float *init) {
+  if (init)
+    sdiree_init_32x32(t, init);
+  else
+    sdiree_zero_32x32(t);
   sdiree_dp_32x32(t, a, lda, b0, b1, depth);
   sdiree_store_32x32(t, c, ldc);
 }
@@ -193,6 +208,15 @@ static inline void sdiree_release_tiles(void) {}
 
 static inline void sdiree_zero_32x32(sdiree_acc *t) { t->fresh = 1; }
 
+static inline void sdiree_init_32x32(sdiree_acc *t, const float *init) {
+  const __m512 lo = _mm512_loadu_ps(init), hi = _mm512_loadu_ps(init + 16);
+  for (int r = 0; r < 32; ++r) {
+    _mm512_store_ps(&t->c[r][0], lo);
+    _mm512_store_ps(&t->c[r][16], hi);
+  }
+  t->fresh = 0;
+}
+
 static inline void sdiree_load_32x32(sdiree_acc *t, const void *c, size_t ldc) {
   const uint8_t *p = (const uint8_t *)c;
   for (int r = 0; r < 32; ++r) {
@@ -212,16 +236,20 @@ static inline void sdiree_store_32x32(sdiree_acc *t, void *c, size_t ldc) {
   }
 }
 
-/* 8 rows of 32 f32 at c (row stride ldc floats) += A x B over depth (even), or = with fresh
-   (c not read): per pair of depth, each row's pair of A broadcast and multiplied into both
-   16-column strips' row of 64 bytes. */
+/* 8 rows of 32 f32 at c (row stride ldc floats) += A x B over depth (even), or with fresh
+   (c not read) = A x B plus init's 32 values in every row (0 where init is NULL): per pair of
+   depth, each row's pair of A broadcast and multiplied into both 16-column strips' row of 64
+   bytes. */
 static inline void sdiree_dp_8x32(float *c, size_t ldc, const uint8_t *a, size_t lda,
-                                  const uint8_t *s0, const uint8_t *s1, size_t depth, int fresh) {
+                                  const uint8_t *s0, const uint8_t *s1, size_t depth, int fresh,
+                                  const float *init) {
   __m512 c0[8], c1[8];
+  const __m512 i0 = init ? _mm512_loadu_ps(init) : _mm512_setzero_ps();
+  const __m512 i1 = init ? _mm512_loadu_ps(init + 16) : _mm512_setzero_ps();
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) {
-    c0[i] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(c + i * ldc);
-    c1[i] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(c + i * ldc + 16);
+    c0[i] = fresh ? i0 : _mm512_loadu_ps(c + i * ldc);
+    c1[i] = fresh ? i1 : _mm512_loadu_ps(c + i * ldc + 16);
   }
   for (size_t kp = 0; kp < depth / 2; ++kp) {
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void *)(s0 + kp * 64));
@@ -247,18 +275,20 @@ static inline void sdiree_dp_32x32(sdiree_acc *t, const void *a, size_t lda, con
   const int fresh = t->fresh;
   for (int r0 = 0; r0 < 32; r0 += 8)
     sdiree_dp_8x32(&t->c[r0][0], 32, (const uint8_t *)a + r0 * lda, lda, (const uint8_t *)b0,
-                   (const uint8_t *)b1, depth, fresh);
+                   (const uint8_t *)b1, depth, fresh, 0);
   t->fresh = 0;
 }
 
-/* A fresh block's A x B stored at c (row stride ldc bytes, a multiple of 4), each 8 rows straight
-   from their accumulators (no trip through the block in L1). */
+/* A fresh block's A x B (plus init's 32 values in every row where not NULL) stored at c (row
+   stride ldc bytes, a multiple of 4), each 8 rows straight from their accumulators (no trip
+   through the block in L1). */
 static inline void sdiree_dp_32x32_store(sdiree_acc *t, const void *a, size_t lda, const void *b0,
-                                         const void *b1, size_t depth, void *c, size_t ldc) {
+                                         const void *b1, size_t depth, void *c, size_t ldc,
+                                         const float *init) {
   (void)t;
   for (int r0 = 0; r0 < 32; r0 += 8)
     sdiree_dp_8x32((float *)((uint8_t *)c + r0 * ldc), ldc / 4, (const uint8_t *)a + r0 * lda,
-                   lda, (const uint8_t *)b0, (const uint8_t *)b1, depth, 1);
+                   lda, (const uint8_t *)b0, (const uint8_t *)b1, depth, 1, init);
 }
 
 /* sdiree_dp_32x32 where only the block's first `cols` columns are wanted: at most 16, the first

@@ -90,6 +90,8 @@ def test_exported_module_dispatches_to_the_kernel_and_matches_torch(kernel_isa):
     text = str(iree_aot.export(model, args=(x,)).mlir_module)
     assert text.count("flow.dispatch @sdiree_amx_matmul_") == 2  # one function per shape
     assert text.count("util.call @sdiree_amx_matmul_") == 2
+    # the biases start the kernel's accumulators (`b`): torch's result with no add after it
+    assert text.count("util.call @sdiree_amx_matmul_128x64x96b(") == 1
     assert "hal.executable.object" in text and "amx_bf16_matmul-" in text
     out = run_amx_main(text, x.numpy())
     if out is None:  # this CPU lacks the kernels' ISA: cross-compiled only
