@@ -35,8 +35,9 @@ from sdiree.runtime.targets import UNET_ONLY_EXPORT
 # `matmul_kernel: f32`, the im2col convs' matmuls on the fp32 kernel, bias in its epilogue, and
 # under `winograd_kernel: fused` the F(2x2) convs on the fp32 Winograd kernels; 19: channels-last
 # GroupNorm statistics in one pass of sums about a reference; 20: the AMX attention's keys and
-# values packed from the projections by the kernel's own pass (pack_kv).
-EXPORTER_REVISION = 20
+# values packed from the projections by the kernel's own pass (pack_kv); 21: the AMX matmul's
+# bias in its accumulators (linears, im2col convs).
+EXPORTER_REVISION = 21
 # Bumped when weights derived at export (Winograd) are computed differently, so that cached
 # derived archives written before are written again (compile/driver.py). 2: rounded once to the
 # export dtype; before, an fp16 file compiled in fp32 had its transformed weights rounded to fp16
