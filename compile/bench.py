@@ -31,7 +31,12 @@ Method:
   memory, and the parent (which compiled) holds no model while timing.
 - The parent drives the two workers in turn, one call at a time, alternating for every run
   (sdiree run i, torch run i, sdiree run i+1, ...), so drift in machine load hits both sides; a
-  worker waits idle on its pipe while the other runs. Both stay loaded the whole time, so a
+  worker waits idle on its pipe while the other runs. A run is ``back_to_back`` calls in a row
+  (``--back-to-back``, 2), the last one timed: a denoising loop's steady state, where an
+  engine's calls follow each other; the first absorbs the idle wait (threads asleep) and any
+  spinning of the other side's threads, which ran into a lone call (sdiree's bf16 UNet call on
+  a 2-core Xeon: 1.47 s right after OpenVINO's, 1.21 s as the second of two; compile/NOTES.md).
+  Sides are SETTLE_S apart. Both stay loaded the whole time, so a
   model whose sides do not fit in memory together (SDXL in fp32 on a 24 GiB machine: ~14 GB of
   torch weights beside sdiree's) would be timed while the kernel evicts one side's mapped
   weights; ``in_turn`` (``--in-turn``) instead runs one side's worker through every figure,
@@ -124,7 +129,9 @@ __all__ = [
 
 SCHEMA = "sdiree-bench/1"
 RUN_ORDER = ("image", "text_encoder", "unet", "vae_decode")  # image first: first inference
-SETTLE_S = 0.05  # pause between calls, so one side's spinning threads never overlap the other
+# pause between two sides' calls: a side's worker threads spin on after its call (OpenVINO's did
+# into sdiree's next call: 1.47 s against 1.28 after a 1 s pause, compile/NOTES.md)
+SETTLE_S = 0.25
 TORCH_DEVICE = {"cpu": "cpu", "cuda": "cuda", "rocm": "cuda", "vulkan-spirv": "cpu"}
 TORCH_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 DEFAULT_PROMPT = "a photograph of an astronaut riding a horse"
@@ -154,6 +161,9 @@ class BenchOptions:
     specs_dir: Path | None = None
     peers: str | None = None  # e.g. "openvino,onnxruntime" (compile/peers/__init__.py)
     in_turn: bool = False  # one side's worker at a time (models whose sides do not fit together)
+    # calls a run makes back to back, the last one timed: the steady state of a denoising loop,
+    # where an engine's calls follow each other, past the idle wait of the alternation
+    back_to_back: int = 2
 
 
 # -- the parent: compile, drive the workers, report -----------------------------------------------
@@ -166,6 +176,8 @@ def _validate(opts: BenchOptions) -> None:
         raise UserError(f"--runs {opts.runs}: at least one timed run is needed")
     if opts.warmup < 0:
         raise UserError(f"--warmup {opts.warmup} must be 0 or more")
+    if opts.back_to_back < 1:
+        raise UserError(f"--back-to-back {opts.back_to_back}: at least one call a run is needed")
     if opts.steps < 1:
         raise UserError(f"--steps {opts.steps}: the number of steps must be at least 1")
     if opts.target not in TORCH_DEVICE:
@@ -320,7 +332,9 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
                 line = []
                 for side in group:
                     save = str(work / f"{side}-{figure}.npz") if i == total - 1 else None
-                    r = workers[side].ask(op="run", figure=figure, save=save)
+                    r = workers[side].ask(
+                        op="run", figure=figure, save=save, repeat=opts.back_to_back
+                    )
                     r["warmup"] = i < opts.warmup
                     runs[figure][side].append(r)
                     line.append(f"{side} {r['seconds']:.3f}s")
@@ -394,6 +408,7 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
             "seed": opts.seed,
             "runs": opts.runs,
             "warmup": opts.warmup,
+            "back_to_back": opts.back_to_back,
             "torch_compile": opts.torch_compile,
             "torch_device": spec["torch_device"],
             "torch_dtype": torch_dtype,
@@ -410,7 +425,9 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
                 if opts.in_turn
                 else "sdiree run i, torch run i, ... in two fresh worker processes"
             ),
-            "timed": "median/min/max over the timed runs, after the warm-up runs",
+            "timed": "median/min/max over the timed runs, after the warm-up runs; a run is "
+            f"{opts.back_to_back} call(s) back to back, the last one timed, "
+            f"{SETTLE_S} s after the other side's",
             "memory": "peak process RSS over each call (VmHWM after a reset), per side process",
             "memory_method": loads["sdiree"]["memory_method"],
             "parity": "last run's outputs of both sides on the same inputs",

@@ -88,9 +88,10 @@ def worker_main(side: str, spec_path: Path) -> int:
                     runner.before_run(msg["figure"])  # untimed, outside the peak
                 rss0 = rss_mb()
                 with PeakRSS() as peak:
-                    t0 = time.perf_counter()
-                    outs = fn()
-                    seconds = time.perf_counter() - t0
+                    for _ in range(msg.get("repeat", 1)):  # back to back: the last one timed
+                        t0 = time.perf_counter()
+                        outs = fn()
+                        seconds = time.perf_counter() - t0
                 reply = {
                     "seconds": seconds,
                     "peak_rss_mb": peak.peak_mb,

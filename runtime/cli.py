@@ -208,6 +208,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
         specs_dir=a.specs,
         peers=a.peers,
         in_turn=a.in_turn,
+        back_to_back=a.back_to_back,
     )
     _call_compile_side("bench", run_bench, options)
 
@@ -437,6 +438,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, metavar="N", default=5, help="timed runs per figure (5)")
     p.add_argument(
         "--warmup", type=int, metavar="N", default=2, help="untimed warm-up runs per figure (2)"
+    )
+    p.add_argument(
+        "--back-to-back",
+        type=int,
+        metavar="N",
+        default=2,
+        help="calls a run makes in a row, the last one timed: a denoising loop's steady state (2)",
     )
     p.add_argument(
         "--json", dest="json_path", type=Path, metavar="FILE", help="report (ARTIFACT/bench.json)"

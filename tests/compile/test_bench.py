@@ -108,6 +108,9 @@ def test_compile_times_sides_and_config(bench):
     assert report["sides"]["sdiree"]["pid"] != report["sides"]["torch"]["pid"]
     c = report["config"]
     assert (c["target"], c["dtype"], c["steps"], c["runs"], c["warmup"]) == ("cpu", "fp32", 2, 1, 1)
+    # each run two calls in a row, the second timed (a denoising loop's steady state)
+    assert c["back_to_back"] == 2
+    assert "2 call(s) back to back, the last one timed" in report["method"]["timed"]
     assert (c["height"], c["width"]) == (64, 64)
 
 
@@ -197,8 +200,9 @@ def test_cli_bench_torch_in_another_dtype(compiled, cpu_art, tmp_path):
         (("--target", "cpu", "--runs", 0), "--runs 0"),
         (("--target", "vulkan-spirv", "--torch-device", "mps"), "--torch-device mps"),
         (("--target", "cpu", "--torch-dtype", "int8"), "--torch-dtype int8"),
+        (("--target", "cpu", "--back-to-back", 0), "--back-to-back 0"),
     ],
-    ids=["runs", "torch-device", "torch-dtype"],
+    ids=["runs", "torch-device", "torch-dtype", "back-to-back"],
 )
 def test_cli_bench_bad_option_is_one_line(args, says):
     proc = sdiree("bench", "nowhere", *args)

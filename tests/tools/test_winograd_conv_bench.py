@@ -40,8 +40,9 @@ def test_unknown_forms_are_refused_before_any_compile(bad, capsys):
 
 
 def test_kernel_forms_run_bf16_on_sdirees_kernels(capsys):
-    """--kernels: the split Winograd products on the matmul kernel and the fused Winograd
-    kernels, bf16, each within bf16's rounding of torch's conv plus the residual."""
+    """--kernels: the split Winograd products on the matmul kernel, the fused Winograd kernels
+    and the direct conv kernel, bf16, each within bf16's rounding of torch's conv plus the
+    residual."""
     pytest.importorskip("iree.turbine.aot")
     from sdiree.compile.exporters import KERNEL_FEATURES
     from sdiree.runtime.cpu_features import host_cpu_features
@@ -50,13 +51,14 @@ def test_kernel_forms_run_bf16_on_sdirees_kernels(capsys):
         pytest.skip("this CPU cannot run the avx512_bf16 kernels")
     from sdiree.compile.exporters.amx_matmul import current_kernel_isa, set_kernel_isa
 
-    args = ["32", "8", "1", "2:interleaved:4,fused", "--kernels", "avx512_bf16", "--runs", "1"]
+    forms = "2:interleaved:4,fused,direct"
+    args = ["32", "8", "1", forms, "--kernels", "avx512_bf16", "--runs", "1"]
     before = current_kernel_isa()
     try:
         rows = winograd_conv_bench.main(args)
     finally:
         set_kernel_isa(before)  # the tool sets the process's kernel ISA
-    assert [r["variant"] for r in rows] == ["2:interleaved:4", "fused"]
+    assert [r["variant"] for r in rows] == forms.split(",")
     for row in rows:
         assert 1e-5 < row["rel_err"] < 2e-2  # bf16 operands: rounded, far below a wrong conv
-    assert capsys.readouterr().out.count("32 ch 8² batch 1") == 2
+    assert capsys.readouterr().out.count("32 ch 8² batch 1") == 3
