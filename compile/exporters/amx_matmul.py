@@ -228,21 +228,26 @@ def buffer_views(*views: tuple[str, str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def optional_operand(name: str, present: bool, count: str, type_: str, stand_in: str) -> dict:
+    """The template values of a kernel op's optional f32 operand `name` (of tensor type type_,
+    its element count the SSA value count): its binding, view, pointer and offset (stand_in's
+    in their place without one: never read), parameter, operand and type."""
+    view = buffer_views((name, "f32", count)).replace("{{", "{").replace("}}", "}")
+    return {
+        f"{name}_arg": f"%{name}: !stream.binding, " if present else "",
+        f"{name}_view": view if present else "",
+        f"{name}_base": f"%{name if present else stand_in}_base",
+        f"{name}_off": f"%{name if present else stand_in}_off",
+        f"{name}_param": f", %{name}: {type_}" if present else "",
+        f"{name}_operand": f"%{name}, " if present else "",
+        f"{name}_type": f"{type_}, " if present else "",
+    }
+
+
 def residual_values(has_res: bool, res_type: str) -> dict:
     """The template values of a kernel op whose `res` operand (of res_type, after `add`) is
-    optional: its binding, view, pointer and offset (add's in its place without one), parameter,
-    operand and type."""
-    return dict(
-        res_arg="%res: !stream.binding, " if has_res else "",
-        res_view=buffer_views(("res", "f32", "SO")).replace("{{", "{").replace("}}", "}")
-        if has_res
-        else "",
-        res_base="%res_base" if has_res else "%add_base",
-        res_off="%res_off" if has_res else "%add_off",
-        res_param=f", %res: {res_type}" if has_res else "",
-        res_operand="%res, " if has_res else "",
-        res_type=f"{res_type}, " if has_res else "",
-    )
+    optional (optional_operand; add's pointer in its place without one)."""
+    return optional_operand("res", has_res, "SO", res_type, "add")
 
 
 # One template for a matmul and a batch of them: the grid's z axis walks the batch (1 for a
@@ -364,20 +369,12 @@ def _mlir_binding_compat() -> None:
 
 
 def _bias_values(has_bias: bool, n: int) -> dict:
-    """The template values of the matmul's optional bias operand ([N] f32): its binding, view,
-    pointer and offset (C's in its place without one: never read), parameter, operand, type."""
-    return dict(
-        has_bias=int(has_bias),
-        bias_arg="%bias: !stream.binding, " if has_bias else "",
-        bias_view=buffer_views(("bias", "f32", "N")).replace("{{", "{").replace("}}", "}")
-        if has_bias
-        else "",
-        bias_base="%bias_base" if has_bias else "%c_base",
-        bias_off="%bias_off" if has_bias else "%c_off",
-        bias_param=f", %bias: tensor<{n}xf32>" if has_bias else "",
-        bias_operand="%bias, " if has_bias else "",
-        bias_type=f"tensor<{n}xf32>, " if has_bias else "",
-    )
+    """The template values of the matmul's optional bias operand ([N] f32; C's pointer in its
+    place without one)."""
+    return {
+        "has_bias": int(has_bias),
+        **optional_operand("bias", has_bias, "N", f"tensor<{n}xf32>", "c"),
+    }
 
 
 def _make_op(has_bias: bool):

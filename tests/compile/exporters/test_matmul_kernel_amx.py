@@ -86,10 +86,12 @@ def test_batched_winograd_and_im2col_convs_take_the_kernel(kernel_isa):
 
 
 def test_amx_attention_is_attention_in_bf16_and_odd_key_counts_are_masked():
+    from sdiree.compile.exporters import attention_amx
     from sdiree.compile.exporters.amx_matmul import register
     from sdiree.compile.exporters.attention import chunked_attention
 
     register()
+    attention_amx.register()  # the fused kernel's ops (the test passed alone only after others)
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 256, 40) for _ in range(3))
     zero = torch.zeros(2, 1, 256)  # a mask: the fused kernel does not take it
