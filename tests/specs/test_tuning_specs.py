@@ -7,7 +7,9 @@ cooperative-matrix codegen fails on to the SIMT matmul pipeline. Checked by cros
 tiny model for rdna3 fp16, and on lavapipe, which runs an fp16 build that takes the same choices
 for those ops. The NVIDIA presets (ampere, ada) use no cooperative matrices at all: NVIDIA's
 Vulkan driver refuses every cooperative-matrix shader iree 3.13 writes (an H200, driver 580;
-tools/PERFORMANCE.md), so they need no spec, and a test here shows their fp16 builds hold none.
+tools/PERFORMANCE.md), so they need no spec, and a test here shows their fp16 builds hold none; lavapipe given
+ampere's target description configures every contraction as ampere does, and runs that path's
+fp16 numerics for real.
 """
 
 from __future__ import annotations
@@ -50,13 +52,23 @@ def test_registry_gives_the_spec_to_the_cooperative_matrix_arches():
         assert "fp16" not in arch.refused_dtypes or name == "baseline", name
 
 
-def specs_copy(tmp_path: Path, arch: str, dump: Path | None, spec: bool) -> Path:
+def specs_copy(
+    tmp_path: Path, arch: str, dump: Path | None, spec: bool, target_of: str | None = None
+) -> Path:
     """The shipped specs with arch's tuning spec on or off and, with dump, its compiles writing
-    their executables' configurations (iree-compile's own record of what applied) to dump."""
-    specs = tmp_path / f"specs-{arch}-{spec}"
+    their executables' configurations (iree-compile's own record of what applied) to dump.
+    target_of: arch takes that preset's target description, its subgroup operations off,
+    and its export choices (lavapipe running another preset's code path)."""
+    specs = tmp_path / f"specs-{arch}-{spec}-{target_of}"
     shutil.copytree(ROOT / "specs", specs)
     data = json.loads((specs / "targets.json").read_text())
-    preset = data["targets"]["vulkan-spirv"]["arches"][arch]
+    presets = data["targets"]["vulkan-spirv"]["arches"]
+    preset = presets[arch]
+    if target_of is not None:
+        (target,) = presets[target_of]["flags"]
+        assert "subgroup = shuffle|arithmetic" in target, "the preset's subgroup ops moved"
+        preset["flags"] = [target.replace("subgroup = shuffle|arithmetic", "subgroup = none")]
+        preset["export"] = presets[target_of].get("export", {})
     preset["tuning_specs"] = {"*": SPEC_REL} if spec else {}
     if dump is not None:
         preset["flags"] = [*preset["flags"], f"--iree-hal-dump-executable-configurations-to={dump}"]
@@ -128,7 +140,25 @@ def test_cooperative_matrix_arch_needs_the_spec_and_it_applies(tiny_model, tmp_p
     assert not any(MARKER in t for n, t in configs.items() if n not in matched)
 
 
-def test_nvidia_presets_compile_fp16_without_cooperative_matrices(tiny_model, tmp_path):
+def choices(text: str) -> tuple:
+    """An executable's configuration as iree chose it: its translation info (pipeline,
+    workgroup size) and lowering configs (tiles), without the target it was chosen for."""
+    return (
+        re.findall(r"translation_info = (#iree_codegen\.translation_info<.*?>)\}", text),
+        re.findall(r"lowering_config = (#iree_codegen\.lowering_config<[^>]*>)", text),
+    )
+
+
+@pytest.fixture(scope="module")
+def ampere_build(tiny_model, tmp_path_factory):
+    """The tiny model's UNet and VAE decoder compiled for ampere fp16: (artifact, dump)."""
+    tmp = tmp_path_factory.mktemp("ampere")
+    dump, art = tmp / "dump", tmp / "ampere"
+    compile_tiny(tiny_model, "ampere", specs_copy(tmp, "ampere", dump, False), art)
+    return art, dump
+
+
+def test_nvidia_presets_compile_fp16_without_cooperative_matrices(ampere_build):
     """ampere's fp16 build: every contraction on a SIMT pipeline, within the 48 KiB of shared
     memory NVIDIA's Vulkan driver offers, and no spec."""
     from sdiree.runtime.targets import load_registry
@@ -137,9 +167,7 @@ def test_nvidia_presets_compile_fp16_without_cooperative_matrices(tiny_model, tm
     for name in ("ampere", "ada"):
         flags = " ".join(vk.arches[name].flags)
         assert "mma = []" in flags and "max_workgroup_memory_bytes = 49152" in flags, name
-    dump = tmp_path / "dump"
-    art = tmp_path / "ampere"
-    compile_tiny(tiny_model, "ampere", specs_copy(tmp_path, "ampere", dump, False), art)
+    art, dump = ampere_build
     configs = configurations(dump)
     pipelines = {pipeline(t) for t in configs.values()}
     assert "MatmulPromoteVectorize" in pipelines and "CooperativeMatrixVectorize" not in pipelines
@@ -175,4 +203,42 @@ def test_lavapipe_fp16_with_the_spec_matches_diffusers(tiny_model, tmp_path):
         ours = np.asarray(im.convert("RGB"))[None]
     ref = diffusers_images(tiny_model, "euler", steps, 7.5, 42, PROMPT, "", 1, ours.shape[1:3])
     assert np.isfinite(ours).all()
+    assert psnr(ours, ref) >= 30.0
+
+
+def test_lavapipe_runs_nvidias_simt_choices_and_matches_diffusers(tiny_model, ampere_build, tmp_path):
+    """NVIDIA's fp16 code path in numbers: lavapipe given ampere's target description (arch
+    sm_80, no cooperative matrices, 48 KiB of shared memory) with its subgroup operations off
+    (lavapipe's subgroups are 8 wide; ampere's reductions are written for 32) configures every
+    contraction exactly as the ampere build does, the SIMT matmul pipeline's tiles included;
+    only ampere's subgroup-reduction dispatches differ. That build runs, and its fp16 image
+    matches diffusers fp32."""
+    from PIL import Image
+
+    from sdiree.runtime.generate import generate_to_files
+
+    dump = tmp_path / "dump"
+    art = tmp_path / "lavapipe-as-ampere"
+    specs = specs_copy(tmp_path, "lavapipe", dump, False, target_of="ampere")
+    compile_tiny(tiny_model, "lavapipe", specs, art, TEXT_TO_IMAGE)
+    ours_cfg = configurations(dump)
+    theirs = configurations(ampere_build[1])
+    assert set(theirs) <= set(ours_cfg)
+    promoted = 0
+    for name, text in theirs.items():
+        if pipeline(text) == "SubgroupReduce":
+            assert pipeline(ours_cfg[name]) != "SubgroupReduce", name
+            continue
+        assert choices(ours_cfg[name]) == choices(text), name
+        promoted += pipeline(text) == "MatmulPromoteVectorize"
+    assert promoted >= 10  # the contractions NVIDIA runs on the SIMT matmul pipeline
+
+    png = tmp_path / "img.png"
+    generate_to_files(
+        artifact_dir=art, prompt=PROMPT, negative_prompt="", steps=4, guidance_scale=7.5,
+        scheduler="euler", seed=42, num_images=1, output=png,
+    )  # fmt: skip
+    with Image.open(png) as im:
+        ours = np.asarray(im.convert("RGB"))[None]
+    ref = diffusers_images(tiny_model, "euler", 4, 7.5, 42, PROMPT, "", 1, ours.shape[1:3])
     assert psnr(ours, ref) >= 30.0
