@@ -206,7 +206,9 @@ def test_lavapipe_fp16_with_the_spec_matches_diffusers(tiny_model, tmp_path):
     assert psnr(ours, ref) >= 30.0
 
 
-def test_lavapipe_runs_nvidias_simt_choices_and_matches_diffusers(tiny_model, ampere_build, tmp_path):
+def test_lavapipe_runs_nvidias_simt_choices_and_matches_diffusers(
+    tiny_model, ampere_build, tmp_path
+):
     """NVIDIA's fp16 code path in numbers: lavapipe given ampere's target description (arch
     sm_80, no cooperative matrices, 48 KiB of shared memory) with its subgroup operations off
     (lavapipe's subgroups are 8 wide; ampere's reductions are written for 32) configures every
