@@ -7,9 +7,9 @@ cooperative-matrix codegen fails on to the SIMT matmul pipeline. Checked by cros
 tiny model for rdna3 fp16, and on lavapipe, which runs an fp16 build that takes the same choices
 for those ops. The NVIDIA presets (ampere, ada) use no cooperative matrices at all: NVIDIA's
 Vulkan driver refuses every cooperative-matrix shader iree 3.13 writes (an H200, driver 580;
-tools/PERFORMANCE.md), so they need no spec, and a test here shows their fp16 builds hold none; lavapipe given
-ampere's target description configures every contraction as ampere does, and runs that path's
-fp16 numerics for real.
+tools/PERFORMANCE.md), so they need no spec, and a test here shows their fp16 builds
+hold none; lavapipe given ampere's target description configures every contraction as ampere
+does, and runs that path's fp16 numerics for real.
 """
 
 from __future__ import annotations
@@ -111,6 +111,23 @@ def tuned(configs: dict[str, str]) -> dict[str, str]:
     return {n: t for n, t in configs.items() if MARKER in t}
 
 
+def image_and_reference(model: Path, art: Path, tmp_path: Path, steps: int = 4):
+    """The artifact's fp16 image (euler, seed 42) and diffusers fp32's on the same weights."""
+    from PIL import Image
+
+    from sdiree.runtime.generate import generate_to_files
+
+    png = tmp_path / "img.png"
+    generate_to_files(
+        artifact_dir=art, prompt=PROMPT, negative_prompt="", steps=steps, guidance_scale=7.5,
+        scheduler="euler", seed=42, num_images=1, output=png,
+    )  # fmt: skip
+    with Image.open(png) as im:
+        ours = np.asarray(im.convert("RGB"))[None]
+    ref = diffusers_images(model, "euler", steps, 7.5, 42, PROMPT, "", 1, ours.shape[1:3])
+    return ours, ref
+
+
 def test_cooperative_matrix_arch_needs_the_spec_and_it_applies(tiny_model, tmp_path):
     from sdiree.runtime.errors import UserError
 
@@ -180,10 +197,6 @@ def test_nvidia_presets_compile_fp16_without_cooperative_matrices(ampere_build):
 def test_lavapipe_fp16_with_the_spec_matches_diffusers(tiny_model, tmp_path):
     """lavapipe has no cooperative matrices: its fp16 build with the spec runs the same SIMT
     configurations for the same ops as the rdna3 build, for real, against diffusers fp32."""
-    from PIL import Image
-
-    from sdiree.runtime.generate import generate_to_files
-
     dump = tmp_path / "dump"
     art = tmp_path / "lavapipe-fp16"
     compile_tiny(
@@ -193,15 +206,7 @@ def test_lavapipe_fp16_with_the_spec_matches_diffusers(tiny_model, tmp_path):
     assert any("matmul_like" in n for n in matched) and any("batch_matmul" in n for n in matched)
     assert all(pipeline(t) == "MatmulPromoteVectorize" for t in matched.values())
 
-    steps = 4
-    png = tmp_path / "img.png"
-    generate_to_files(
-        artifact_dir=art, prompt=PROMPT, negative_prompt="", steps=steps, guidance_scale=7.5,
-        scheduler="euler", seed=42, num_images=1, output=png,
-    )  # fmt: skip
-    with Image.open(png) as im:
-        ours = np.asarray(im.convert("RGB"))[None]
-    ref = diffusers_images(tiny_model, "euler", steps, 7.5, 42, PROMPT, "", 1, ours.shape[1:3])
+    ours, ref = image_and_reference(tiny_model, art, tmp_path)
     assert np.isfinite(ours).all()
     assert psnr(ours, ref) >= 30.0
 
@@ -215,10 +220,6 @@ def test_lavapipe_runs_nvidias_simt_choices_and_matches_diffusers(
     contraction exactly as the ampere build does, the SIMT matmul pipeline's tiles included;
     only ampere's subgroup-reduction dispatches differ. That build runs, and its fp16 image
     matches diffusers fp32."""
-    from PIL import Image
-
-    from sdiree.runtime.generate import generate_to_files
-
     dump = tmp_path / "dump"
     art = tmp_path / "lavapipe-as-ampere"
     specs = specs_copy(tmp_path, "lavapipe", dump, False, target_of="ampere")
@@ -235,12 +236,5 @@ def test_lavapipe_runs_nvidias_simt_choices_and_matches_diffusers(
         promoted += pipeline(text) == "MatmulPromoteVectorize"
     assert promoted >= 10  # the contractions NVIDIA runs on the SIMT matmul pipeline
 
-    png = tmp_path / "img.png"
-    generate_to_files(
-        artifact_dir=art, prompt=PROMPT, negative_prompt="", steps=4, guidance_scale=7.5,
-        scheduler="euler", seed=42, num_images=1, output=png,
-    )  # fmt: skip
-    with Image.open(png) as im:
-        ours = np.asarray(im.convert("RGB"))[None]
-    ref = diffusers_images(tiny_model, "euler", 4, 7.5, 42, PROMPT, "", 1, ours.shape[1:3])
+    ours, ref = image_and_reference(tiny_model, art, tmp_path)
     assert psnr(ours, ref) >= 30.0
