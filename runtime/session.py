@@ -34,12 +34,14 @@ class Session:
         submodules: Iterable[str],
         overrides: WeightOverrides | None = None,
         fresh_device: bool = False,
+        debug_sink=None,
     ):
         import iree.runtime as rt
 
         self.manifest = manifest
         self.device_info = device_info
         self.overrides = overrides
+        self.debug_sink = debug_sink  # an iree HalModuleDebugSink: sees traced tensors (tools/)
         submodules = tuple(submodules)
         if device_info.driver in CPU_DRIVERS:
             keep_freed_host_memory()
@@ -70,7 +72,7 @@ class Session:
         manifest, device_info = self.manifest, self.device_info
         self.device = create_device(device_info, fresh)
         self.instance = rt.VmInstance()
-        hal = rt.create_hal_module(self.instance, self.device)
+        hal = rt.create_hal_module(self.instance, self.device, debug_sink=self.debug_sink)
         modules = [hal]
         self.weights = LoadedWeights(manifest, tuple(submodules), self.overrides, self.device)
         providers = self.weights.providers()

@@ -1,0 +1,177 @@
+"""Which dispatch first makes a NaN or an inf? A debugging tool for a module that returns them.
+
+Recompiles one submodule of a compiled artifact from its own MLIR (`$SDIREE_CACHE/<model>/mlir/`,
+named in the manifest) with the manifest's flags plus `--iree-flow-trace-dispatch-tensors`, runs
+one call of one function on verify's seeded inputs with a debug sink that sees every dispatch's
+inputs and outputs, and prints one line per traced tensor set: its key, and per tensor its shape,
+non-finite count and max |x|. It ends with the first dispatch whose inputs were all finite and
+whose outputs were not: the kernel to look at (its source: `--iree-hal-dump-executable-sources-to`).
+
+    python tools/trace_nonfinite.py ARTIFACT --submodule vae_decoder --function decode \\
+        [--mlir PATH] [--keep DIR] [--seed 0]
+
+The artifact is not changed: the traced module runs from a scratch copy (links to the
+artifact's files, the manifest's entry for the module rewritten). Tracing maps every
+intermediate to the host, so a call takes longer than usual (lavapipe: ~1.3x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _mlir_path(artifact: Path, manifest, submodule: str, given: str | None) -> Path:
+    """The submodule's exported MLIR: given, or in the model's cache, which is the artifact's
+    parent for the default --out and `$SDIREE_CACHE/<model>/` for an explicit one."""
+    if given:
+        return Path(given)
+    from sdiree.runtime.errors import UserError
+    from sdiree.runtime.fileutil import user_cache_dir
+
+    name = manifest.data["submodules"][submodule]["mlir"]
+    model = manifest.data["model"]["name"]
+    for cache in (artifact.resolve().parent, user_cache_dir() / model):
+        if (cache / "mlir" / name).is_file():
+            return cache / "mlir" / name
+    raise UserError(f"{name} is in no compile cache (deleted?); pass --mlir or compile again")
+
+
+def _compile_traced(manifest, submodule: str, mlir: Path, out: Path) -> None:
+    from sdiree.compile.iree_compile import compile_mlir
+    from sdiree.compile.param_encoder import encoder_flags
+
+    sub = manifest.data["submodules"][submodule]
+    flags = [*sub["flags"], "--iree-flow-trace-dispatch-tensors"]
+    encoded = [p for p in sub.get("extra_parameters", []) if p["scope"].endswith("_encoded")]
+    with tempfile.TemporaryDirectory() as tmp:
+        if encoded:  # the module must read the same encoded archive as the artifact's does
+            flags += encoder_flags(Path(tmp) / "encoder.mlir", encoded[0]["scope"])
+        compile_mlir(mlir, out, flags, out.with_suffix(".log"))
+
+
+def _scratch_artifact(artifact: Path, submodule: str, vmfb: Path, where: Path) -> Path:
+    """A copy of the artifact made of links, with submodule's module replaced by vmfb."""
+    data = json.loads((artifact / "manifest.json").read_text())
+    rel = data["submodules"][submodule]["vmfb"]
+    for src in artifact.rglob("*"):
+        if src.is_file() and src.name != "manifest.json" and not src.name.startswith("."):
+            dst = where / src.relative_to(artifact)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(vmfb.resolve() if src.relative_to(artifact) == Path(rel) else src, dst)
+    data["files"][rel] = hashlib.sha256(vmfb.read_bytes()).hexdigest()
+    (where / "manifest.json").write_text(json.dumps(data))
+    return where
+
+
+class NonFiniteSink:
+    """Collects, per traced key, each tensor's shape, non-finite count and max |x|."""
+
+    def __init__(self, verbose: bool):
+        self.verbose = verbose
+        self.rows: list[tuple[str, list[tuple[tuple, int, float]]]] = []
+
+    def __call__(self, key: str, buffer_views) -> None:
+        import iree.runtime as rt
+
+        stats = []
+        for bv in buffer_views:
+            dtype = rt.HalElementType.map_to_dtype(bv.element_type)
+            a = np.asarray(bv.map().asarray(bv.shape, dtype))
+            if a.dtype.kind == "f":
+                bad = int(a.size - np.count_nonzero(np.isfinite(a)))
+                finite = a[np.isfinite(a)] if bad else a
+                peak = float(np.abs(finite).max(initial=0.0))
+            else:
+                bad, peak = 0, float(np.abs(a).max(initial=0))
+            stats.append((tuple(bv.shape), bad, peak))
+        self.rows.append((key, stats))
+        if self.verbose or any(b for _, b, _ in stats):
+            cells = "  ".join(f"{list(s)} bad={b} max={p:.4g}" for s, b, p in stats)
+            print(f"{key}: {cells}", flush=True)
+
+    def first_culprit(self) -> str | None:
+        """The first outputs that hold non-finite values after inputs that were all finite."""
+        inputs_ok = True
+        for key, stats in self.rows:
+            bad = any(b for _, b, _ in stats)
+            if key.endswith("inputs"):
+                inputs_ok = not bad
+            elif key.endswith("outputs") and bad and inputs_ok:
+                return key
+        return None
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Returns {culprit: the key or None, traced: tensor sets seen, nonfinite: per result}."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("artifact", type=Path)
+    ap.add_argument("--submodule", required=True)
+    ap.add_argument("--function", required=True)
+    ap.add_argument("--mlir", help="the submodule's exported MLIR (default: from the cache)")
+    ap.add_argument("--keep", type=Path, help="keep the traced module here (reused if present)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--input-scale", type=float, default=1.0, help="multiply the float inputs by this"
+    )
+    ap.add_argument("--verbose", action="store_true", help="print every traced key")
+    ap.add_argument(
+        "--untraced", action="store_true", help="run the artifact's own module (a control)"
+    )
+    args = ap.parse_args(argv)
+
+    import iree.runtime as rt
+
+    from sdiree.compile.verify import make_inputs
+    from sdiree.runtime.device import find_device
+    from sdiree.runtime.manifest import load_manifest
+    from sdiree.runtime.session import Session
+
+    manifest = load_manifest(args.artifact)
+    with tempfile.TemporaryDirectory() as tmp:
+        vmfb = args.keep / f"{args.submodule}.traced.vmfb" if args.keep else Path(tmp) / "t.vmfb"
+        if args.untraced:
+            scratch = manifest
+        elif not vmfb.is_file():
+            vmfb.parent.mkdir(parents=True, exist_ok=True)
+            t0 = time.monotonic()
+            _compile_traced(
+                manifest,
+                args.submodule,
+                _mlir_path(args.artifact, manifest, args.submodule, args.mlir),
+                vmfb,
+            )
+            print(f"compiled the traced module in {time.monotonic() - t0:.0f}s", flush=True)
+        if not args.untraced:
+            scratch = _scratch_artifact(args.artifact, args.submodule, vmfb, Path(tmp) / "a")
+            scratch = load_manifest(scratch)
+        driver = scratch.data["target"]["driver"]
+        sink = NonFiniteSink(args.verbose)
+        session = Session(
+            scratch,
+            find_device(driver, driver),
+            [args.submodule],
+            debug_sink=rt.HalModuleDebugSink(sink),
+        )
+        inputs = make_inputs(scratch, args.submodule, args.function, args.seed)
+        inputs = [x * x.dtype.type(args.input_scale) if x.dtype.kind == "f" else x for x in inputs]
+        t0 = time.monotonic()
+        outs = session.call(args.submodule, args.function, *inputs)
+        print(f"call took {time.monotonic() - t0:.0f}s; {len(sink.rows)} traced tensor sets")
+    nonfinite = [int(o.size - np.isfinite(o).sum()) for o in outs]
+    for o, bad in zip(outs, nonfinite, strict=True):
+        print(f"result {list(o.shape)}: non-finite {bad}")
+    culprit = sink.first_culprit()
+    print(f"first non-finite outputs from finite inputs: {culprit or 'none'}")
+    return {"culprit": culprit, "traced": len(sink.rows), "nonfinite": nonfinite}
+
+
+if __name__ == "__main__":
+    main()  # a diagnostic: exit status 0 whatever it finds
