@@ -44,12 +44,14 @@ def _mlir_path(artifact: Path, manifest, submodule: str, given: str | None) -> P
     raise UserError(f"{name} is in no compile cache (deleted?); pass --mlir or compile again")
 
 
-def _compile_traced(manifest, submodule: str, mlir: Path, out: Path) -> None:
+def _compile_traced(
+    manifest, submodule: str, mlir: Path, out: Path, extra: list[str], trace: bool = True
+) -> None:
     from sdiree.compile.iree_compile import compile_mlir
     from sdiree.compile.param_encoder import encoder_flags
 
     sub = manifest.data["submodules"][submodule]
-    flags = [*sub["flags"], "--iree-flow-trace-dispatch-tensors"]
+    flags = [*sub["flags"], *extra, *(["--iree-flow-trace-dispatch-tensors"] if trace else [])]
     encoded = [p for p in sub.get("extra_parameters", []) if p["scope"].endswith("_encoded")]
     with tempfile.TemporaryDirectory() as tmp:
         if encoded:  # the module must read the same encoded archive as the artifact's does
@@ -76,11 +78,14 @@ class NonFiniteSink:
 
     def __init__(self, verbose: bool):
         self.verbose = verbose
+        self.active = True  # off: tensors are not looked at (the poisoning call)
         self.rows: list[tuple[str, list[tuple[tuple, int, float]]]] = []
 
     def __call__(self, key: str, buffer_views) -> None:
         import iree.runtime as rt
 
+        if not self.active:
+            return
         stats = []
         for bv in buffer_views:
             dtype = rt.HalElementType.map_to_dtype(bv.element_type)
@@ -123,6 +128,20 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--verbose", action="store_true", help="print every traced key")
     ap.add_argument(
+        "--poison",
+        action="store_true",
+        help="call once on NaN inputs first: a kernel reading memory it never wrote then "
+        "sees NaN left by that call (a fresh process's memory is zeros)",
+    )
+    ap.add_argument(
+        "--flag", action="append", default=[], help="one more iree-compile flag (repeatable)"
+    )
+    ap.add_argument(
+        "--no-trace",
+        action="store_true",
+        help="recompile without tracing (with --flag: does a flag change the result?)",
+    )
+    ap.add_argument(
         "--untraced", action="store_true", help="run the artifact's own module (a control)"
     )
     args = ap.parse_args(argv)
@@ -136,7 +155,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     manifest = load_manifest(args.artifact)
     with tempfile.TemporaryDirectory() as tmp:
-        vmfb = args.keep / f"{args.submodule}.traced.vmfb" if args.keep else Path(tmp) / "t.vmfb"
+        tag = "plain" if args.no_trace else "traced"
+        if args.flag:
+            tag += "-" + hashlib.sha256("\n".join(args.flag).encode()).hexdigest()[:8]
+        vmfb = Path(args.keep or tmp) / f"{args.submodule}.{tag}.vmfb"
         if args.untraced:
             scratch = manifest
         elif not vmfb.is_file():
@@ -147,8 +169,10 @@ def main(argv: list[str] | None = None) -> dict:
                 args.submodule,
                 _mlir_path(args.artifact, manifest, args.submodule, args.mlir),
                 vmfb,
+                args.flag,
+                trace=not args.no_trace,
             )
-            print(f"compiled the traced module in {time.monotonic() - t0:.0f}s", flush=True)
+            print(f"compiled the {tag} module in {time.monotonic() - t0:.0f}s", flush=True)
         if not args.untraced:
             scratch = _scratch_artifact(args.artifact, args.submodule, vmfb, Path(tmp) / "a")
             scratch = load_manifest(scratch)
@@ -162,6 +186,12 @@ def main(argv: list[str] | None = None) -> dict:
         )
         inputs = make_inputs(scratch, args.submodule, args.function, args.seed)
         inputs = [x * x.dtype.type(args.input_scale) if x.dtype.kind == "f" else x for x in inputs]
+        if args.poison:
+            nan = [np.full_like(x, np.nan) if x.dtype.kind == "f" else x for x in inputs]
+            sink.active = False
+            session.call(args.submodule, args.function, *nan)
+            sink.active = True
+            print("poisoned: called once on NaN inputs", flush=True)
         t0 = time.monotonic()
         outs = session.call(args.submodule, args.function, *inputs)
         print(f"call took {time.monotonic() - t0:.0f}s; {len(sink.rows)} traced tensor sets")
