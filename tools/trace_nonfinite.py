@@ -1,18 +1,21 @@
 """Which dispatch first makes a NaN or an inf? A debugging tool for a module that returns them.
 
-Recompiles one submodule of a compiled artifact from its own MLIR (`$SDIREE_CACHE/<model>/mlir/`,
-named in the manifest) with the manifest's flags plus `--iree-flow-trace-dispatch-tensors`, runs
+Recompiles one submodule of a compiled artifact from its own MLIR (named in the manifest, in the
+model's compile cache: `<cache>/mlir/`, see compile/driver.py) with the manifest's flags plus `--iree-flow-trace-dispatch-tensors`, runs
 one call of one function on verify's seeded inputs with a debug sink that sees every dispatch's
-inputs and outputs, and prints one line per traced tensor set: its key, and per tensor its shape,
-non-finite count and max |x|. It ends with the first dispatch whose inputs were all finite and
-whose outputs were not: the kernel to look at (its source: `--iree-hal-dump-executable-sources-to`).
+inputs and outputs, and prints each traced tensor set that holds NaN or inf (every one with
+--verbose): its key, and per tensor its shape, non-finite count and max |x|. It ends with the
+first dispatch whose inputs were all finite and whose outputs were not: the kernel to look at
+(its source: `--iree-hal-dump-executable-sources-to`).
 
     python tools/trace_nonfinite.py ARTIFACT --submodule vae_decoder --function decode \\
-        [--mlir PATH] [--keep DIR] [--seed 0]
+        [--mlir PATH] [--keep DIR] [--seed 0] [--poison] [--untraced | --no-trace --flag F]
 
-The artifact is not changed: the traced module runs from a scratch copy (links to the
-artifact's files, the manifest's entry for the module rewritten). Tracing maps every
-intermediate to the host, so a call takes longer than usual (lavapipe: ~1.3x).
+--poison calls once on NaN inputs first (memory a call reads before writing, or overwrites
+that it should not, then shows NaN); --untraced runs the artifact's own module and --no-trace
+--flag F a rebuild with more flags, as controls. The artifact is not changed: a rebuilt module
+runs from a scratch copy (links to the artifact's files, the manifest's entry for the module
+rewritten). Tracing reads every intermediate back to the host, so a call takes longer.
 """
 
 from __future__ import annotations
