@@ -53,17 +53,22 @@ def _compile_traced(
     from sdiree.compile.iree_compile import compile_mlir
     from sdiree.compile.param_encoder import encoder_flags
 
-    sub = manifest.data["submodules"][submodule]
-    flags = [*sub["flags"], *extra, *(["--iree-flow-trace-dispatch-tensors"] if trace else [])]
-    encoded = [p for p in sub.get("extra_parameters", []) if p["scope"].endswith("_encoded")]
+    flags = [
+        *manifest.data["submodules"][submodule]["flags"],
+        *extra,
+        *(["--iree-flow-trace-dispatch-tensors"] if trace else []),
+    ]
+    encoder = manifest.submodules[submodule].encoder
     with tempfile.TemporaryDirectory() as tmp:
-        if encoded:  # the module must read the same encoded archive as the artifact's does
-            flags += encoder_flags(Path(tmp) / "encoder.mlir", encoded[0]["scope"])
+        if encoder is not None:  # the module must read the artifact's encoded archive
+            flags += encoder_flags(Path(tmp) / "encoder.mlir", encoder.scope)
         compile_mlir(mlir, out, flags, out.with_suffix(".log"))
 
 
 def _scratch_artifact(artifact: Path, submodule: str, vmfb: Path, where: Path) -> Path:
     """A copy of the artifact made of links, with submodule's module replaced by vmfb."""
+    from sdiree.runtime.fileutil import sha256_file
+
     data = json.loads((artifact / "manifest.json").read_text())
     rel = data["submodules"][submodule]["vmfb"]
     for src in artifact.rglob("*"):
@@ -71,7 +76,7 @@ def _scratch_artifact(artifact: Path, submodule: str, vmfb: Path, where: Path) -
             dst = where / src.relative_to(artifact)
             dst.parent.mkdir(parents=True, exist_ok=True)
             os.symlink(vmfb.resolve() if src.relative_to(artifact) == Path(rel) else src, dst)
-    data["files"][rel] = hashlib.sha256(vmfb.read_bytes()).hexdigest()
+    data["files"][rel] = sha256_file(vmfb)
     (where / "manifest.json").write_text(json.dumps(data))
     return where
 
@@ -93,12 +98,9 @@ class NonFiniteSink:
         for bv in buffer_views:
             dtype = rt.HalElementType.map_to_dtype(bv.element_type)
             a = np.asarray(bv.map().asarray(bv.shape, dtype))
-            if a.dtype.kind == "f":
-                bad = int(a.size - np.count_nonzero(np.isfinite(a)))
-                finite = a[np.isfinite(a)] if bad else a
-                peak = float(np.abs(finite).max(initial=0.0))
-            else:
-                bad, peak = 0, float(np.abs(a).max(initial=0))
+            finite = np.isfinite(a) if a.dtype.kind == "f" else np.ones(a.shape, bool)
+            bad = int(a.size - np.count_nonzero(finite))
+            peak = float(np.abs(a[finite]).max(initial=0))
             stats.append((tuple(bv.shape), bad, peak))
         self.rows.append((key, stats))
         if self.verbose or any(b for _, b, _ in stats):
