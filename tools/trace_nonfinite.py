@@ -10,10 +10,17 @@ first dispatch whose inputs were all finite and whose outputs were not: the kern
 
     python tools/trace_nonfinite.py ARTIFACT --submodule vae_decoder --function decode \\
         [--mlir PATH] [--keep DIR] [--seed 0] [--poison] [--untraced | --no-trace --flag F]
+        [--weights mapped|preload|read|aligned] [--runtime-flag F]
 
 --poison calls once on NaN inputs first (memory a call reads before writing, or overwrites
 that it should not, then shows NaN); --untraced runs the artifact's own module and --no-trace
---flag F a rebuild with more flags, as controls. The artifact is not changed: a rebuilt module
+--flag F a rebuild with more flags, as controls. --weights says how the archives reach the
+device: `mapped` (the runtime's way: a read-only map of the file; its entries are not
+page-aligned, so a Vulkan device gets copies in memory its HAL allocates), `preload` (the file
+read into host memory), `read` (through a file descriptor) or `aligned` (each entry copied to
+page-aligned memory, which the cpu HAL and a Vulkan driver with VK_EXT_external_memory_host
+import as it is: then any entry a call writes is named). --runtime-flag passes an iree runtime
+flag (e.g. --vulkan_robust_buffer_access=true). The artifact is not changed: a rebuilt module
 runs from a scratch copy (links to the artifact's files, the manifest's entry for the module
 rewritten). Tracing reads every intermediate back to the host, so a call takes longer.
 """
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import mmap
 import os
 import tempfile
 import time
@@ -119,8 +127,74 @@ class NonFiniteSink:
         return None
 
 
+class WeightsLoaded:
+    """While entered, the runtime adds an ordinary archive to its parameter index `how` (see
+    --weights). With `aligned`, changed() afterwards names the entries whose memory a call
+    wrote (they are imported, so a write from the device lands there)."""
+
+    def __init__(self, how: str):
+        self.how = how
+        self.fds: list[int] = []
+        self.copies: dict[str, tuple[mmap.mmap, Path, int, int]] = {}
+
+    def __enter__(self):
+        from sdiree.runtime.weights import overrides
+
+        self._original = overrides.load_archive
+        if self.how != "mapped":
+            overrides.load_archive = self._load
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from sdiree.runtime.weights import overrides
+
+        overrides.load_archive = self._original
+
+    def _load(self, index, path: Path) -> None:
+        import iree.runtime as rt
+
+        from sdiree.runtime.weights.pages import paged_layout
+
+        probe = rt.ParameterIndex()
+        probe.load(str(path))
+        if paged_layout(probe) is not None:
+            return self._original(index, path)
+        if self.how == "preload":
+            return index.load(str(path), mmap=False)
+        if self.how == "read":
+            self.fds.append(os.open(path, os.O_RDONLY))
+            return index.load_from_file_handle(rt.FileHandle.wrap_fd(self.fds[-1]), "irpa")
+        page = mmap.PAGESIZE
+        with open(path, "rb") as f:
+            for key, e in probe.items():
+                if e.is_splat:
+                    pattern = np.frombuffer(bytes(e.splat_pattern), np.uint8).copy()
+                    index.add_splat(key, pattern, e.length)
+                    continue
+                offset, length = int(e.file_storage[1]), int(e.length)
+                copy = mmap.mmap(-1, max(page, -(-length // page) * page))
+                f.seek(offset)
+                f.readinto(memoryview(copy)[:length])
+                index.add_buffer(key, copy)
+                self.copies[key] = (copy, path, offset, length)
+
+    def changed(self) -> list[str]:
+        out = []
+        for key, (copy, path, offset, length) in self.copies.items():
+            with open(path, "rb") as f:
+                f.seek(offset)
+                if f.read(length) != copy[:length]:
+                    out.append(key)
+        return out
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)  # iree does not close a wrapped fd
+
+
 def main(argv: list[str] | None = None) -> dict:
-    """Returns {culprit: the key or None, traced: tensor sets seen, nonfinite: per result}."""
+    """Returns {culprit: the key or None, traced: tensor sets seen, nonfinite: per result,
+    digest: of the results, written: the parameter entries written (--weights aligned)}."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("artifact", type=Path)
     ap.add_argument("--submodule", required=True)
@@ -149,6 +223,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--untraced", action="store_true", help="run the artifact's own module (a control)"
     )
+    ap.add_argument(
+        "--runtime-flag",
+        action="append",
+        default=[],
+        help="an iree runtime flag, e.g. --vulkan_dispatch_abi=descriptor (repeatable)",
+    )
+    ap.add_argument(
+        "--weights",
+        choices=("mapped", "preload", "read", "aligned"),
+        default="mapped",
+        help="how the archives reach the device (default: mapped, as the runtime does)",
+    )
     args = ap.parse_args(argv)
 
     import iree.runtime as rt
@@ -158,8 +244,10 @@ def main(argv: list[str] | None = None) -> dict:
     from sdiree.runtime.manifest import load_manifest
     from sdiree.runtime.session import Session
 
+    if args.runtime_flag:
+        rt.flags.parse_flags(*args.runtime_flag)
     manifest = load_manifest(args.artifact)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, WeightsLoaded(args.weights) as weights:
         tag = "plain" if args.no_trace else "traced"
         if args.flag:
             tag += "-" + hashlib.sha256("\n".join(args.flag).encode()).hexdigest()[:8]
@@ -200,12 +288,27 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.monotonic()
         outs = session.call(args.submodule, args.function, *inputs)
         print(f"call took {time.monotonic() - t0:.0f}s; {len(sink.rows)} traced tensor sets")
+        written = weights.changed() if args.weights == "aligned" else None
+        if written is not None:
+            print(
+                f"parameter entries imported: {len(weights.copies)}, "
+                f"written by the calls: {len(written)} {written[:5]}"
+            )
+        del session
+    weights.close()
     nonfinite = [int(o.size - np.isfinite(o).sum()) for o in outs]
     for o, bad in zip(outs, nonfinite, strict=True):
         print(f"result {list(o.shape)}: non-finite {bad}")
     culprit = sink.first_culprit()
     print(f"first non-finite outputs from finite inputs: {culprit or 'none'}")
-    return {"culprit": culprit, "traced": len(sink.rows), "nonfinite": nonfinite}
+    digest = hashlib.sha256(b"".join(o.tobytes() for o in outs)).hexdigest()
+    return {
+        "culprit": culprit,
+        "traced": len(sink.rows),
+        "nonfinite": nonfinite,
+        "digest": digest,  # of the results' bytes
+        "written": written,  # entries the calls wrote (--weights aligned), else None
+    }
 
 
 if __name__ == "__main__":
