@@ -1,7 +1,8 @@
 """A loaded artifact: its modules and parameters in one IREE context on one device.
 
 Parameters are loaded through an io_parameters module backed by a ParameterIndex over the
-archive files (memory-mapped, never copied into Python). Every call checks its inputs against
+archive files (memory-mapped, never copied into Python; on a CPU Vulkan device, page-aligned
+copies the device imports: runtime/weights/imported.py). Every call checks its inputs against
 the names, shapes and dtypes the manifest declares before the call.
 """
 
@@ -74,7 +75,15 @@ class Session:
         self.instance = rt.VmInstance()
         hal = rt.create_hal_module(self.instance, self.device, debug_sink=self.debug_sink)
         modules = [hal]
-        self.weights = LoadedWeights(manifest, tuple(submodules), self.overrides, self.device)
+        # a CPU Vulkan device (lavapipe) imports page-aligned weights: not its HAL's pool memory,
+        # which its calls overwrite at SD 1.5 size (runtime/weights/imported.py)
+        self.weights = LoadedWeights(
+            manifest,
+            tuple(submodules),
+            self.overrides,
+            self.device,
+            importable=device_info.driver == "vulkan" and device_info.is_cpu_emulation,
+        )
         providers = self.weights.providers()
         if providers:
             modules.insert(0, rt.create_io_parameters_module(self.instance, *providers))

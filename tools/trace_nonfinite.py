@@ -10,13 +10,14 @@ first dispatch whose inputs were all finite and whose outputs were not: the kern
 
     python tools/trace_nonfinite.py ARTIFACT --submodule vae_decoder --function decode \\
         [--mlir PATH] [--keep DIR] [--seed 0] [--poison] [--untraced | --no-trace --flag F]
-        [--weights mapped|preload|read|aligned] [--runtime-flag F]
+        [--weights runtime|mapped|preload|read|aligned] [--runtime-flag F]
 
 --poison calls once on NaN inputs first (memory a call reads before writing, or overwrites
 that it should not, then shows NaN); --untraced runs the artifact's own module and --no-trace
 --flag F a rebuild with more flags, as controls. --weights says how the archives reach the
-device: `mapped` (the runtime's way: a read-only map of the file; its entries are not
-page-aligned, so a Vulkan device gets copies in memory its HAL allocates), `preload` (the file
+device: `runtime` (the default: as a session loads them, `aligned` on a CPU Vulkan device,
+else `mapped`), `mapped` (a read-only map of the file; its entries are not page-aligned, so a
+Vulkan device gets copies in memory its HAL allocates), `preload` (the file
 read into host memory), `read` (through a file descriptor) or `aligned` (each entry copied to
 page-aligned memory, which the cpu HAL and a Vulkan driver with VK_EXT_external_memory_host
 import as it is: then any entry a call writes is named). --runtime-flag passes an iree runtime
@@ -136,19 +137,21 @@ class WeightsLoaded:
         self.how = how
         self.fds: list[int] = []
         self.copies: dict[str, tuple[mmap.mmap, Path, int, int]] = {}
+        self.keep: list = []
 
     def __enter__(self):
         from sdiree.runtime.weights import overrides
 
-        self._original = overrides.load_archive
-        if self.how != "mapped":
+        self._original = overrides.load_archive, overrides.add_importable
+        if self.how != "runtime":  # both of the runtime's ways replaced by this one
             overrides.load_archive = self._load
+            overrides.add_importable = lambda index, path, keep: self._load(index, path)
         return self
 
     def __exit__(self, *exc) -> None:
         from sdiree.runtime.weights import overrides
 
-        overrides.load_archive = self._original
+        overrides.load_archive, overrides.add_importable = self._original
 
     def _load(self, index, path: Path) -> None:
         import iree.runtime as rt
@@ -157,26 +160,17 @@ class WeightsLoaded:
 
         probe = rt.ParameterIndex()
         probe.load(str(path))
-        if paged_layout(probe) is not None:
-            return self._original(index, path)
+        if self.how == "mapped" or paged_layout(probe) is not None:
+            return self._original[0](index, path)
         if self.how == "preload":
             return index.load(str(path), mmap=False)
         if self.how == "read":
             self.fds.append(os.open(path, os.O_RDONLY))
             return index.load_from_file_handle(rt.FileHandle.wrap_fd(self.fds[-1]), "irpa")
-        page = mmap.PAGESIZE
-        with open(path, "rb") as f:
-            for key, e in probe.items():
-                if e.is_splat:
-                    pattern = np.frombuffer(bytes(e.splat_pattern), np.uint8).copy()
-                    index.add_splat(key, pattern, e.length)
-                    continue
-                offset, length = int(e.file_storage[1]), int(e.length)
-                copy = mmap.mmap(-1, max(page, -(-length // page) * page))
-                f.seek(offset)
-                f.readinto(memoryview(copy)[:length])
-                index.add_buffer(key, copy)
-                self.copies[key] = (copy, path, offset, length)
+        from sdiree.runtime.weights.imported import add_importable
+
+        for key, (copy, offset, length) in add_importable(index, path, self.keep).items():
+            self.copies[key] = (copy, path, offset, length)
 
     def changed(self) -> list[str]:
         out = []
@@ -231,9 +225,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument(
         "--weights",
-        choices=("mapped", "preload", "read", "aligned"),
-        default="mapped",
-        help="how the archives reach the device (default: mapped, as the runtime does)",
+        choices=("runtime", "mapped", "preload", "read", "aligned"),
+        default="runtime",
+        help="how the archives reach the device (default: as the runtime loads them)",
     )
     args = ap.parse_args(argv)
 

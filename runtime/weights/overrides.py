@@ -33,6 +33,7 @@ from ..residency import file_identity
 from .archive import Archive
 from .derived import base_key, derived_weight
 from .encoder import encoder_device
+from .imported import add_importable
 from .pages import load_archive, store_encoded
 from .repack import REPACK_ENV, layout_for, repacked_index
 
@@ -72,6 +73,7 @@ class LoadedWeights:
         overrides: WeightOverrides | None,
         device,
         report: Callable[[str], None] = say,
+        importable: bool = False,
     ):
         import iree.runtime as rt
 
@@ -118,7 +120,10 @@ class LoadedWeights:
             else:
                 index = rt.ParameterIndex()
                 for p in paths:
-                    load_archive(index, p)
+                    if importable:  # page-aligned copies the device imports (imported.py)
+                        add_importable(index, p, self._keep)
+                    else:
+                        load_archive(index, p)
                 self.indices[scope] = index
         for scope, name in encoded_scopes.items():
             enc_device = encoder_device(manifest.submodules[name].encoder, device)
