@@ -9,7 +9,9 @@ and load-time copies take; on a GPU, the allocator's live and peak device bytes 
 `map` as the runtime does (iree maps each file; paged archives as views over their pages),
 `unpaged` the same with every paged archive first rewritten as an ordinary one (in /tmp),
 `named` the ordinary archives restricted to the keys the module names, `fd` every archive read
-through a file descriptor (`load_from_file_handle`; paged ones unpaged first).
+through a file descriptor (`load_from_file_handle`; paged ones unpaged first), `importable`
+each entry as a page-aligned copy a CPU Vulkan device imports (what a session does there,
+runtime/weights/imported.py).
 """
 
 from __future__ import annotations
@@ -88,6 +90,13 @@ def providers(mode: str, archives: list[tuple[str, Path]], vmfb: Path, work: Pat
 
     if mode == "map":
         return parameter_providers(archives)
+    if mode == "importable":
+        from sdiree.runtime.weights.imported import add_importable
+
+        indices = {}
+        for scope, path in archives:
+            add_importable(indices.setdefault(scope, rt.ParameterIndex()), path, keep)
+        return [index.create_provider(scope=scope) for scope, index in indices.items()]
     archives = [(scope, unpaged(p, work)) for scope, p in archives]
     if mode == "unpaged":
         return parameter_providers(archives)
@@ -110,7 +119,9 @@ def main() -> None:
     ap.add_argument("artifact", type=Path)
     ap.add_argument("submodule")
     ap.add_argument("--driver", help="IREE driver (default: the manifest's target's)")
-    ap.add_argument("--params", default="map", choices=("map", "unpaged", "named", "fd"))
+    ap.add_argument(
+        "--params", default="map", choices=("map", "unpaged", "named", "fd", "importable")
+    )
     ap.add_argument("--call", help="a function to call once on zero inputs after the load")
     args = ap.parse_args()
 

@@ -34,6 +34,9 @@ def add_importable(index, path: Path, keep: list) -> dict[str, tuple[mmap.mmap, 
         load_archive(index, path)
         return {}
     page = mmap.PAGESIZE
+    private = (
+        {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
+    )
     copies = {}
     with open(path, "rb") as f:
         for key, e in probe.items():
@@ -42,7 +45,7 @@ def add_importable(index, path: Path, keep: list) -> dict[str, tuple[mmap.mmap, 
                 index.add_splat(key, pattern, e.length)
                 continue
             offset, length = int(e.file_storage[1]), int(e.length)
-            copy = mmap.mmap(-1, max(page, -(-length // page) * page))
+            copy = mmap.mmap(-1, max(page, -(-length // page) * page), **private)
             f.seek(offset)
             if f.readinto(memoryview(copy)[:length]) != length:
                 raise OSError(f"{path} ends inside its entry {key}")
