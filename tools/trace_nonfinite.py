@@ -156,29 +156,35 @@ class WeightsLoaded:
     def _load(self, index, path: Path) -> None:
         import iree.runtime as rt
 
+        from sdiree.runtime.weights.imported import add_importable
         from sdiree.runtime.weights.pages import paged_layout
 
+        if self.how == "mapped":
+            return self._original[0](index, path)
+        if self.how == "aligned":  # add_importable serves a paged archive as load_archive does
+            for key, (copy, offset, length) in add_importable(index, path, self.keep).items():
+                self.copies[key] = (copy, path, offset, length)
+            return
         probe = rt.ParameterIndex()
         probe.load(str(path))
-        if self.how == "mapped" or paged_layout(probe) is not None:
+        if paged_layout(probe) is not None:
             return self._original[0](index, path)
         if self.how == "preload":
             return index.load(str(path), mmap=False)
-        if self.how == "read":
-            self.fds.append(os.open(path, os.O_RDONLY))
-            return index.load_from_file_handle(rt.FileHandle.wrap_fd(self.fds[-1]), "irpa")
-        from sdiree.runtime.weights.imported import add_importable
-
-        for key, (copy, offset, length) in add_importable(index, path, self.keep).items():
-            self.copies[key] = (copy, path, offset, length)
+        self.fds.append(os.open(path, os.O_RDONLY))  # read
+        index.load_from_file_handle(rt.FileHandle.wrap_fd(self.fds[-1]), "irpa")
 
     def changed(self) -> list[str]:
-        out = []
-        for key, (copy, path, offset, length) in self.copies.items():
-            with open(path, "rb") as f:
+        out, files = [], {}
+        try:
+            for key, (copy, path, offset, length) in self.copies.items():
+                f = files.get(path) or files.setdefault(path, open(path, "rb"))  # noqa: SIM115
                 f.seek(offset)
                 if f.read(length) != copy[:length]:
                     out.append(key)
+        finally:
+            for f in files.values():
+                f.close()
         return out
 
     def close(self) -> None:
