@@ -364,6 +364,10 @@ EXPORT_CHOICES = {
     # under matmul_kernel amx, the UNet's F(2x2) Winograd convs as iree's passes around the
     # matmul kernel, or on sdiree's fused Winograd kernels (compile/exporters/winograd_fused.py)
     "winograd_kernel": ("none", "fused"),
+    # each GroupNorm's sums over its whole group, or in chunks of 1024 values and then over
+    # the chunks (lavapipe, whose shaders stop looping after 65,535 iterations:
+    # compile/exporters/norm_precision.py)
+    "norm_sums": ("whole", "chunked"),
 }
 # positive integers, in submodule_export.unet only: F(4x4) from this input side; plain matmuls
 # where the input side is at most the latent's / this

@@ -175,6 +175,7 @@ def plan_for(builder, submodule: str):
     from .amx_matmul import set_split
     from .linear_flat import set_linear_lowering
     from .linear_panels import DERIVED_TAG as PANELS_TAG
+    from .norm_precision import set_norm_sums
 
     model = builder.torch_model(COMPONENTS[submodule])
     options = builder.export_options(submodule)
@@ -182,6 +183,10 @@ def plan_for(builder, submodule: str):
         set_split(model)  # the AMX kernels' operands as two bf16 parts each (amx_matmul.py)
     linear = options.get("linear", "native")
     rebound = set_linear_lowering(model, linear)
+    sums = options.get("norm_sums", "whole")
+    if sums != "whole" and options.get("layout", "native") != "native":
+        raise ValueError(f"export norm_sums {sums} applies to layout native only")
+    set_norm_sums(model, sums)  # before the exporters make the other GroupNorms float32
     xplan = _plan_for(builder, submodule, model)
     if linear == "panels" and rebound:
         xplan.derived = f"{xplan.derived}+{PANELS_TAG}" if xplan.derived else PANELS_TAG

@@ -7,6 +7,11 @@ at 128² (specs/README.md, "Their fp16 numerics on lavapipe"), not a fault of th
 The product here is that UNet's mid-block projection (1280 channels, 4 tokens): ampere's SIMT
 configuration gives it one workgroup per 256 output channels, each active thread looping over
 64 rows and all of K (~2,400 iterations per 32 of K), lavapipe's own one short loops.
+
+lavapipe's own preset meets the limit in GroupNorm: without subgroup operations iree sums each
+group in one thread, 4 values per iteration, so a group of more than 262,140 values (SD 1.5's
+VAE decoder from 256²) was summed in part; the preset's export choice `norm_sums: chunked`
+(compile/exporters/norm_precision.py) sums it in chunks.
 """
 
 from __future__ import annotations
@@ -56,23 +61,29 @@ def target_flag(arch: str) -> str:
     return flag.replace("subgroup = shuffle|arithmetic", "subgroup = none")
 
 
-def rel_error(arch: str, k: int) -> float:
+def run_on_lavapipe(vmfb: bytes, function: str, *args: np.ndarray) -> np.ndarray:
     import iree.runtime as rt
-    from iree.compiler import compile_str
 
     from sdiree.runtime.device import create_device, list_devices, to_host
+
+    lavapipe = next(d for d in list_devices("vulkan") if d.is_cpu_emulation)
+    device = create_device(lavapipe)
+    instance = rt.VmInstance()
+    module = rt.VmModule.copy_buffer(instance, vmfb)
+    context = rt.VmContext(instance, modules=[rt.create_hal_module(instance, device), module])
+    fn = rt.FunctionInvoker(context, device, module.lookup_function(function))
+    return to_host(device, fn(*args))
+
+
+def rel_error(arch: str, k: int) -> float:
+    from iree.compiler import compile_str
 
     vmfb = compile_str(PRODUCT.format(k=k), extra_args=[target_flag(arch)])
     rng = np.random.default_rng(0)
     a = rng.standard_normal((k, 4)).astype(np.float16)
     w = (rng.standard_normal((1280, k)) * 0.02).astype(np.float16)
     ref = (w.astype(np.float32) @ a.astype(np.float32)).T
-    lavapipe = next(d for d in list_devices("vulkan") if d.is_cpu_emulation)
-    device = create_device(lavapipe)
-    instance = rt.VmInstance()
-    module = rt.VmModule.copy_buffer(instance, vmfb)
-    context = rt.VmContext(instance, modules=[rt.create_hal_module(instance, device), module])
-    out = to_host(device, rt.FunctionInvoker(context, device, module.lookup_function("mm"))(a, w))
+    out = run_on_lavapipe(vmfb, "mm", a, w)
     return float(np.abs(out.astype(np.float32) - ref).max() / np.abs(ref).max())
 
 
@@ -90,3 +101,37 @@ def test_lavapipe_truncates_long_loops(arch, k, right):
         assert rel < 2e-3, rel
     else:
         assert rel > 0.5, f"lavapipe ran {k} of K right: its loop limit moved? {rel}"
+
+
+@pytest.mark.parametrize("sums", ["whole", "chunked"])
+def test_lavapipe_sums_a_large_group_only_in_chunks(sums):
+    """A GroupNorm of 8 channels x 256 x 256 = 524,288 values per group (as SD 1.5's VAE
+    decoder's 256-channel norms at 256²), compiled for the lavapipe preset: summed whole, the
+    loop limiter cuts each group's sums short and the output is far off; with the preset's
+    `norm_sums: chunked` it is group_norm's."""
+    torch = pytest.importorskip("torch")
+    from iree.compiler import compile_str
+    from iree.turbine import aot
+
+    from sdiree.compile.exporters.norm_precision import set_norm_sums
+    from sdiree.runtime.targets import load_registry
+
+    assert (
+        load_registry()
+        .target("vulkan-spirv")
+        .export_for("vae_decoder", "fp16", "lavapipe")["norm_sums"]
+        == "chunked"
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.GroupNorm(8, 64)).eval()
+    x = torch.randn(1, 64, 256, 256) * 2 + 1
+    with torch.no_grad():
+        ref = model(x).numpy()
+    set_norm_sums(model, sums)
+    mlir = str(aot.export(model, args=(x,)).mlir_module)
+    vmfb = compile_str(mlir, extra_args=[target_flag("lavapipe")])
+    err = float(np.abs(run_on_lavapipe(vmfb, "main", x.numpy()) - ref).max())
+    if sums == "chunked":
+        assert err < 1e-3, err
+    else:
+        assert err > 0.1, f"lavapipe summed 524,288 values whole: its loop limit moved? {err}"

@@ -241,6 +241,7 @@ def test_export_choices_match_the_exporters():
     from sdiree.compile.exporters.channels_first import TRANSFORMER_CHOICES
     from sdiree.compile.exporters.conv_matmul import CONV_CHOICES, DIRECT_CONVS
     from sdiree.compile.exporters.linear_flat import LINEAR_CHOICES
+    from sdiree.compile.exporters.norm_precision import NORM_SUMS
     from sdiree.compile.exporters.vae_channels_last import LAYOUTS
     from sdiree.compile.exporters.winograd import MATMUL_KERNELS, WINOGRAD_OUTPUTS
     from sdiree.compile.exporters.winograd_fused import WINOGRAD_KERNELS
@@ -251,6 +252,6 @@ def test_export_choices_match_the_exporters():
         "transformer": TRANSFORMER_CHOICES, "winograd_output": WINOGRAD_OUTPUTS,
         "layout": LAYOUTS, "matmul_kernel": MATMUL_KERNELS, "amx_operands": AMX_OPERANDS,
         "kernel_isa": tuple(KERNEL_ISAS), "direct_convs": DIRECT_CONVS,
-        "winograd_kernel": WINOGRAD_KERNELS,
+        "winograd_kernel": WINOGRAD_KERNELS, "norm_sums": NORM_SUMS,
     }  # fmt: skip
     assert want == EXPORT_CHOICES
