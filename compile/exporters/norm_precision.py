@@ -14,7 +14,9 @@ one thread looping over the whole group, 4 values per iteration, and llvmpipe en
 loops after 65,535 iterations without an error (compile/NOTES.md, "lavapipe's loop limiter and
 the VAE's GroupNorm"), so a group of more than 262,140 values (SD 1.5's VAE decoder at 256²:
 8 channels x 256 x 256) was summed in part and the image came out wrong, with NaN. Chunked,
-each loop is at most CHUNK / 4 long. The statistics are then float32 whatever the dtype.
+the first pass loops CHUNK / 4 times per chunk and the second size / CHUNK / 4 times per group
+(512 for SD's largest, 2M values at 512²; a group whose size has fewer factors of two than
+CHUNK gets smaller chunks and a longer second pass). The statistics are float32 either way.
 """
 
 from __future__ import annotations
