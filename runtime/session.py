@@ -153,14 +153,14 @@ def map_module(instance, path: Path):
     return rt.VmModule.wrap_buffer(instance, mapped, close_buffer=True)
 
 
-def parameter_providers(archives: list[tuple[str, Path]]) -> list:
+def parameter_providers(archives: list[tuple[str, Path]], load=load_archive) -> list:
     """One parameter provider per scope, over every archive [(scope, path)] of that scope
-    (ordinary or paged, sdiree.runtime.weights.pages)."""
+    (ordinary or paged, sdiree.runtime.weights.pages), each added by load(index, path)."""
     import iree.runtime as rt
 
     indices = {}
     for scope, path in archives:
-        load_archive(indices.setdefault(scope, rt.ParameterIndex()), path)
+        load(indices.setdefault(scope, rt.ParameterIndex()), path)
     return [index.create_provider(scope=scope) for scope, index in indices.items()]
 
 

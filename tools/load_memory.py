@@ -93,10 +93,7 @@ def providers(mode: str, archives: list[tuple[str, Path]], vmfb: Path, work: Pat
     if mode == "importable":
         from sdiree.runtime.weights.imported import add_importable
 
-        indices = {}
-        for scope, path in archives:
-            add_importable(indices.setdefault(scope, rt.ParameterIndex()), path, keep)
-        return [index.create_provider(scope=scope) for scope, index in indices.items()]
+        return parameter_providers(archives, lambda index, path: add_importable(index, path, keep))
     archives = [(scope, unpaged(p, work)) for scope, p in archives]
     if mode == "unpaged":
         return parameter_providers(archives)

@@ -36,7 +36,6 @@ def _group_norm_fp32(self: torch.nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:
 
 NORM_SUMS = ("whole", "chunked")
 CHUNK = 1024  # values summed by one loop of a chunked GroupNorm's first pass
-_CHUNKED = "_sdiree_chunked_sums"  # marks a GroupNorm whose forward sums in chunks
 
 
 def _sums(v: torch.Tensor) -> torch.Tensor:
@@ -71,7 +70,6 @@ def set_norm_sums(model: torch.nn.Module, sums: str) -> int:
     for m in model.modules():
         if isinstance(m, torch.nn.GroupNorm):
             m.forward = types.MethodType(_group_norm_chunked, m)
-            setattr(m, _CHUNKED, True)
             count += 1
     return count
 
@@ -83,7 +81,8 @@ def group_norms_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> int:
         return 0
     count = 0
     for m in model.modules():
-        if isinstance(m, torch.nn.GroupNorm) and not getattr(m, _CHUNKED, False):
+        chunked = getattr(vars(m).get("forward"), "__func__", None) is _group_norm_chunked
+        if isinstance(m, torch.nn.GroupNorm) and not chunked:
             m.forward = types.MethodType(_group_norm_fp32, m)
             count += 1
     return count
