@@ -3,7 +3,7 @@
 # `source tools/device_env.sh` in a device `run`). Unpacks the carried packages (.iree/, see
 # device_bench.sh) and the Vulkan loader (.gl/) once per machine, exposes this checkout as the
 # `sdiree` package, prints the GPU and the devices sdiree sees, and makes the SD 1.5-size random
-# model in $MODEL. Kept in /tmp while the machine stays warm.
+# model in $MODEL (unless NO_MODEL is set). Kept in /tmp while the machine stays warm.
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/sdiree-out}
@@ -32,7 +32,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 python3 -m sdiree.runtime.cli devices || true
 
-if [ ! -f "$MODEL/model_index.json" ]; then
+if [ -z "${NO_MODEL:-}" ] && [ ! -f "$MODEL/model_index.json" ]; then
     t0=$(date +%s)
     python3 tools/make_sd15_random.py "$MODEL" > /dev/null
     echo "model: $(($(date +%s) - t0)) s"

@@ -26,7 +26,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tuning_spec_text import APPLY_OP_CONFIG, entrypoint, yield_config
+from tuning_spec_text import APPLY_OP_CONFIG, CONVS, conv_head, entrypoint, yield_config
 
 TUNING = Path(__file__).resolve().parent.parent / "specs" / "tuning"
 
@@ -36,38 +36,9 @@ FAMILIES = {
     "rocm_rdna3_convs": ("WMMAR3_F32_16x16x16_F16", 32, "RDNA3 (gfx1100)"),
 }
 
-# (layout, stride): indexing maps of the conv and the dims of its output (oh, ow, oc).
-# "batched": [n, oh, ow, c] (the UNet's guided call); "single": batch 1 folded away by iree
-# (the UNet's unguided call, the VAE).
-_B = "(d0, d1, d2, d3, d4, d5, d6)"
-_S = "(d0, d1, d2, d3, d4, d5)"
-CONVS = {
-    ("batched", 1): ([f"{_B} -> (d0, d1 + d4, d2 + d5, d6)", f"{_B} -> (d3, d4, d5, d6)",
-                      f"{_B} -> (d0, d1, d2, d3)"], (1, 2, 3)),
-    ("batched", 2): ([f"{_B} -> (d0, d1 * 2 + d4, d2 * 2 + d5, d6)", f"{_B} -> (d3, d4, d5, d6)",
-                      f"{_B} -> (d0, d1, d2, d3)"], (1, 2, 3)),
-    ("single", 1): ([f"{_S} -> (d0 + d3, d1 + d4, d5)", f"{_S} -> (d2, d3, d4, d5)",
-                     f"{_S} -> (d0, d1, d2)"], (0, 1, 2)),
-    ("single", 2): ([f"{_S} -> (d0 * 2 + d3, d1 * 2 + d4, d5)", f"{_S} -> (d2, d3, d4, d5)",
-                     f"{_S} -> (d0, d1, d2)"], (0, 1, 2)),
-}  # fmt: skip
-
 # The config's IGEMM loops: [n,] oh, ow, oc, k; the k tile is 8 intrinsic steps of 16 = 128.
 ROWS = (4, 2, 1)  # output rows per workgroup, the largest that divides oh
 N_TILE, K_STEPS, K_TILE = 64, 8, 128
-
-
-def _head(name: str, maps: list[str]) -> list[str]:
-    return [
-        f"transform.named_sequence @{name}(%op: !transform.any_op {{transform.readonly}})",
-        "    -> (!transform.any_op, !transform.any_param) {",
-        "  transform.iree.match.has_no_lowering_config %op : !transform.any_op",
-        "  %batch, %out_img, %out_ch, %filt, %in_ch, %depth, %strides, %dilations =",
-        "    transform.iree.match.convolution %op, lhs_type = f16, rhs_type = f16, output_type = f32,",
-        "    indexing_maps = [" + ",\n      ".join(f"affine_map<{m}>" for m in maps) + "]",
-        "    : !transform.any_op -> !transform.param<i64>",
-        "  %out = transform.get_operand %op[2] : (!transform.any_op) -> !transform.any_value",
-    ]
 
 
 def _config(mma: str, subgroup_size: int, rows: int, batched: bool) -> str:
@@ -112,7 +83,7 @@ def render(stem: str) -> str:
     pairs = []
     for (layout, stride), (maps, (oh, ow, oc)) in CONVS.items():
         name = f"match_conv_{layout}_s{stride}_aligned"
-        out += _head(name, maps)
+        out += conv_head(name, maps)
         out += [
             f"  transform.iree.match.dim_is_multiple_of %out[{ow}], 16 : !transform.any_value",
             "  %none = transform.param.constant 0 : i64 -> !transform.any_param",
@@ -124,7 +95,7 @@ def render(stem: str) -> str:
         for rows in ROWS:
             name = f"match_conv_{layout}_s{stride}_rows{rows}"
             config = _config(mma, subgroup_size, rows, layout == "batched")
-            out += _head(name, maps)
+            out += conv_head(name, maps)
             out += [
                 f"  transform.iree.match.dim_is_multiple_of %out[{oc}], {N_TILE} : !transform.any_value",
                 f"  transform.iree.match.dim_is_multiple_of %out[{oh}], {rows} : !transform.any_value",

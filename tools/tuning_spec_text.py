@@ -1,7 +1,8 @@
 """Text shared by the GPU tuning-spec generators (tools/make_vulkan_tuning_spec.py,
-tools/make_rocm_tuning_spec.py): the action that applies a matcher's configuration and marks
-the op (the marker is what tests find in iree-compile's configuration dump), and the entry
-point that tries the matchers in order, the first that matches an op winning."""
+tools/make_rocm_tuning_spec.py, tools/cuda_conv_sweep.py): the action that applies a matcher's
+configuration and marks the op (the marker is what tests find in iree-compile's configuration
+dump), the head of a matcher of channels-last f16 convolutions, and the entry point that tries
+the matchers in order, the first that matches an op winning."""
 
 from __future__ import annotations
 
@@ -14,6 +15,38 @@ APPLY_OP_CONFIG = [
     "}",
     "",
 ]
+
+
+# (layout, stride): indexing maps of a channels-last conv (NHWC input, FHWC filter) and the
+# dims of its output (oh, ow, oc). "batched": [n, oh, ow, c] (the UNet's guided call);
+# "single": batch 1 folded away by iree (the UNet's unguided call, the VAE).
+_B = "(d0, d1, d2, d3, d4, d5, d6)"
+_S = "(d0, d1, d2, d3, d4, d5)"
+CONVS = {
+    ("batched", 1): ([f"{_B} -> (d0, d1 + d4, d2 + d5, d6)", f"{_B} -> (d3, d4, d5, d6)",
+                      f"{_B} -> (d0, d1, d2, d3)"], (1, 2, 3)),
+    ("batched", 2): ([f"{_B} -> (d0, d1 * 2 + d4, d2 * 2 + d5, d6)", f"{_B} -> (d3, d4, d5, d6)",
+                      f"{_B} -> (d0, d1, d2, d3)"], (1, 2, 3)),
+    ("single", 1): ([f"{_S} -> (d0 + d3, d1 + d4, d5)", f"{_S} -> (d2, d3, d4, d5)",
+                     f"{_S} -> (d0, d1, d2)"], (0, 1, 2)),
+    ("single", 2): ([f"{_S} -> (d0 * 2 + d3, d1 * 2 + d4, d5)", f"{_S} -> (d2, d3, d4, d5)",
+                     f"{_S} -> (d0, d1, d2)"], (0, 1, 2)),
+}  # fmt: skip
+
+
+def conv_head(name: str, maps: list[str]) -> list[str]:
+    """A matcher's first lines: an f16 x f16 -> f32 convolution of these indexing maps with no
+    configuration yet, its output operand as `%out`."""
+    return [
+        f"transform.named_sequence @{name}(%op: !transform.any_op {{transform.readonly}})",
+        "    -> (!transform.any_op, !transform.any_param) {",
+        "  transform.iree.match.has_no_lowering_config %op : !transform.any_op",
+        "  %batch, %out_img, %out_ch, %filt, %in_ch, %depth, %strides, %dilations =",
+        "    transform.iree.match.convolution %op, lhs_type = f16, rhs_type = f16, output_type = f32,",
+        "    indexing_maps = [" + ",\n      ".join(f"affine_map<{m}>" for m in maps) + "]",
+        "    : !transform.any_op -> !transform.param<i64>",
+        "  %out = transform.get_operand %op[2] : (!transform.any_op) -> !transform.any_value",
+    ]
 
 
 def yield_config(config: str) -> list[str]:
