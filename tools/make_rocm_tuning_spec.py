@@ -26,7 +26,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tuning_spec_text import APPLY_OP_CONFIG, CONVS, conv_head, entrypoint, yield_config
+from tuning_spec_text import (
+    APPLY_OP_CONFIG,
+    CONVS,
+    KEEP_DEFAULT,
+    YIELD_DEFAULT,
+    conv_head,
+    entrypoint,
+    yield_config,
+)
 
 TUNING = Path(__file__).resolve().parent.parent / "specs" / "tuning"
 
@@ -74,11 +82,7 @@ def render(stem: str) -> str:
         "    iree_codegen.tuning_spec_with_default_entrypoint} {",
         "",
         *APPLY_OP_CONFIG,
-        "transform.named_sequence @keep_default(%op: !transform.any_op {transform.readonly},",
-        "    %unused: !transform.any_param {transform.readonly}) {",
-        "  transform.yield",
-        "}",
-        "",
+        *KEEP_DEFAULT,
     ]
     pairs = []
     for (layout, stride), (maps, (oh, ow, oc)) in CONVS.items():
@@ -86,10 +90,7 @@ def render(stem: str) -> str:
         out += conv_head(name, maps)
         out += [
             f"  transform.iree.match.dim_is_multiple_of %out[{ow}], 16 : !transform.any_value",
-            "  %none = transform.param.constant 0 : i64 -> !transform.any_param",
-            "  transform.yield %op, %none : !transform.any_op, !transform.any_param",
-            "}",
-            "",
+            *YIELD_DEFAULT,
         ]
         pairs.append((name, "keep_default"))
         for rows in ROWS:

@@ -24,7 +24,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tuning_spec_text import APPLY_OP_CONFIG, entrypoint, yield_config
+from tuning_spec_text import (
+    APPLY_OP_CONFIG,
+    contraction_head,
+    entrypoint,
+    write_spec,
+    yield_config,
+)
 
 SPEC = (
     Path(__file__).resolve().parent.parent / "specs" / "tuning" / "vulkan_coopmatrix_fallback.mlir"
@@ -94,10 +100,6 @@ CLASSES = {
 TIERS = [(64, 32, 8), (16, 16, 4), (8, 8, 2)]
 
 
-def _maps(maps: list[str]) -> str:
-    return ",\n      ".join(f"affine_map<{m}>" for m in maps)
-
-
 def _config(roles: str, tile: int, ktile: int, threads: int) -> str:
     sizes = [{"b": 1, "o": 1, "m": tile, "n": tile, "k": ktile}[r] for r in roles]
     return (
@@ -108,27 +110,6 @@ def _config(roles: str, tile: int, ktile: int, threads: int) -> str:
         f"      workgroup_size = [{threads}, {threads}, 1],"
         " {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>"
     )
-
-
-def _match_head(name: str, maps: list[str], checks: list[tuple[int, int, int]]) -> list[str]:
-    lines = [
-        f"transform.named_sequence @{name}(%op: !transform.any_op {{transform.readonly}})",
-        "    -> (!transform.any_op, !transform.any_param) {",
-        "  transform.iree.match.has_no_lowering_config %op : !transform.any_op",
-        "  %b, %m, %n, %k = transform.iree.match.contraction %op,",
-        "    lhs_type = f16, rhs_type = f16, output_type = f32,",
-        f"    indexing_maps = [\n      {_maps(maps)}] : !transform.any_op -> !transform.param<i64>",
-    ]
-    operands = sorted({o for o, _, _ in checks})
-    for o in operands:
-        lines.append(
-            f"  %in{o} = transform.get_operand %op[{o}] : (!transform.any_op) -> !transform.any_value"
-        )
-    for o, dim, size in checks:
-        lines.append(
-            f"  transform.iree.match.dim_is_multiple_of %in{o}[{dim}], {size} : !transform.any_value"
-        )
-    return lines
 
 
 def render() -> str:
@@ -146,7 +127,7 @@ def render() -> str:
         for tile, ktile, threads in TIERS:
             name = f"match_{cname}_{tile}"
             checks = [(*where["m"], tile), (*where["n"], tile), (*where["k"], ktile)]
-            out += _match_head(name, maps, checks)
+            out += contraction_head(name, maps, checks)
             out += yield_config(_config(roles, tile, ktile, threads))
             pairs.append((name, "apply_op_config"))
     out += entrypoint(pairs)
@@ -154,9 +135,7 @@ def render() -> str:
 
 
 def main(argv: list[str]) -> None:
-    path = Path(argv[0]) if argv else SPEC
-    path.write_text(render())
-    print(f"wrote {path}")
+    write_spec(argv, SPEC, render)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
 """Text shared by the GPU tuning-spec generators (tools/make_vulkan_tuning_spec.py,
-tools/make_rocm_tuning_spec.py, tools/cuda_conv_sweep.py): the action that applies a matcher's
-configuration and marks the op (the marker is what tests find in iree-compile's configuration
-dump), the head of a matcher of channels-last f16 convolutions, and the entry point that tries
-the matchers in order, the first that matches an op winning."""
+tools/make_vulkan_simt_spec.py, tools/make_rocm_tuning_spec.py, tools/cuda_conv_sweep.py): the
+action that applies a matcher's configuration and marks the op (the marker is what tests find in
+iree-compile's configuration dump), the heads of matchers of f16 contractions and channels-last
+f16 convolutions, and the entry point that tries the matchers in order, the first that matches
+an op winning."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
 
 APPLY_OP_CONFIG = [
     "transform.named_sequence @apply_op_config(%op: !transform.any_op {transform.readonly},",
@@ -16,6 +20,21 @@ APPLY_OP_CONFIG = [
     "",
 ]
 
+
+# The action of a matcher that keeps the compiler's own choice, and that matcher's last lines.
+KEEP_DEFAULT = [
+    "transform.named_sequence @keep_default(%op: !transform.any_op {transform.readonly},",
+    "    %unused: !transform.any_param {transform.readonly}) {",
+    "  transform.yield",
+    "}",
+    "",
+]
+YIELD_DEFAULT = [
+    "  %none = transform.param.constant 0 : i64 -> !transform.any_param",
+    "  transform.yield %op, %none : !transform.any_op, !transform.any_param",
+    "}",
+    "",
+]
 
 # (layout, stride): indexing maps of a channels-last conv (NHWC input, FHWC filter) and the
 # dims of its output (oh, ow, oc). "batched": [n, oh, ow, c] (the UNet's guided call);
@@ -49,6 +68,33 @@ def conv_head(name: str, maps: list[str]) -> list[str]:
     ]
 
 
+def _maps(maps: list[str]) -> str:
+    return ",\n      ".join(f"affine_map<{m}>" for m in maps)
+
+
+def contraction_head(name: str, maps: list[str], checks: list[tuple[int, int, int]]) -> list[str]:
+    """A matcher's first lines: an f16 x f16 -> f32 contraction of these indexing maps with no
+    configuration yet, each (operand, dim, size) of `checks` a multiple of size."""
+    lines = [
+        f"transform.named_sequence @{name}(%op: !transform.any_op {{transform.readonly}})",
+        "    -> (!transform.any_op, !transform.any_param) {",
+        "  transform.iree.match.has_no_lowering_config %op : !transform.any_op",
+        "  %b, %m, %n, %k = transform.iree.match.contraction %op,",
+        "    lhs_type = f16, rhs_type = f16, output_type = f32,",
+        f"    indexing_maps = [\n      {_maps(maps)}] : !transform.any_op -> !transform.param<i64>",
+    ]
+    operands = sorted({o for o, _, _ in checks})
+    for o in operands:
+        lines.append(
+            f"  %in{o} = transform.get_operand %op[{o}] : (!transform.any_op) -> !transform.any_value"
+        )
+    for o, dim, size in checks:
+        lines.append(
+            f"  transform.iree.match.dim_is_multiple_of %in{o}[{dim}], {size} : !transform.any_value"
+        )
+    return lines
+
+
 def yield_config(config: str) -> list[str]:
     """A matcher's last lines: the configuration it gives the matched op, and its end."""
     return [
@@ -74,3 +120,10 @@ def entrypoint(pairs: list[tuple[str, str]]) -> list[str]:
         "}",
         "",
     ]
+
+
+def write_spec(argv: list[str], default: Path, render: Callable[[], str]) -> None:
+    """A generator's command line: write render() to argv's one path, else to default."""
+    path = Path(argv[0]) if argv else default
+    path.write_text(render())
+    print(f"wrote {path}")

@@ -31,6 +31,8 @@ from parity import diffusers_images, psnr  # noqa: E402
 
 MARKER = "__tuning_spec_applied__"
 SPEC_REL = "tuning/vulkan_coopmatrix_fallback.mlir"
+COOP = {"*": SPEC_REL}
+SIMT_REL = "tuning/vulkan_simt_attention.mlir"
 PROMPT = "a lighthouse at dusk, oil painting"
 
 
@@ -53,15 +55,20 @@ def test_registry_gives_the_spec_to_the_cooperative_matrix_arches():
 
 
 def specs_copy(
-    tmp_path: Path, arch: str, dump: Path | None, spec: bool, target_of: str | None = None
+    tmp_path: Path,
+    arch: str,
+    dump: Path | None,
+    specs: dict | None,
+    target_of: str | None = None,
 ) -> Path:
-    """The shipped specs with arch's tuning spec on or off and, with dump, its compiles writing
-    their executables' configurations (iree-compile's own record of what applied) to dump.
-    target_of: arch takes that preset's target description, its subgroup operations off,
-    and its export choices (lavapipe running another preset's code path)."""
-    specs = tmp_path / f"specs-{arch}-{spec}-{target_of}"
-    shutil.copytree(ROOT / "specs", specs)
-    data = json.loads((specs / "targets.json").read_text())
+    """The shipped specs with arch's tuning specs set to `specs` (None: as shipped) and, with
+    dump, its compiles writing their executables' configurations (iree-compile's own record of
+    what applied) to dump. target_of: arch takes that preset's target description, its
+    subgroup operations off, its export choices and (with specs None) its tuning specs
+    (lavapipe running another preset's code path)."""
+    folder = tmp_path / f"specs-{arch}-{specs is not None and bool(specs)}-{target_of}"
+    shutil.copytree(ROOT / "specs", folder)
+    data = json.loads((folder / "targets.json").read_text())
     presets = data["targets"]["vulkan-spirv"]["arches"]
     preset = presets[arch]
     if target_of is not None:
@@ -69,11 +76,13 @@ def specs_copy(
         assert "subgroup = shuffle|arithmetic" in target, "the preset's subgroup ops moved"
         preset["flags"] = [target.replace("subgroup = shuffle|arithmetic", "subgroup = none")]
         preset["export"] = presets[target_of].get("export", {})
-    preset["tuning_specs"] = {"*": SPEC_REL} if spec else {}
+        preset["tuning_specs"] = presets[target_of].get("tuning_specs", {})
+    if specs is not None:
+        preset["tuning_specs"] = specs
     if dump is not None:
         preset["flags"] = [*preset["flags"], f"--iree-hal-dump-executable-configurations-to={dump}"]
-    (specs / "targets.json").write_text(json.dumps(data))
-    return specs
+    (folder / "targets.json").write_text(json.dumps(data))
+    return folder
 
 
 # What each test needs compiled (a partial artifact, as `sdiree compile --submodules` makes):
@@ -132,12 +141,12 @@ def test_cooperative_matrix_arch_needs_the_spec_and_it_applies(tiny_model, tmp_p
     from sdiree.runtime.errors import UserError
 
     with pytest.raises(UserError, match="no GPU subgroup mma compute ops generated"):
-        compile_tiny(tiny_model, "rdna3", specs_copy(tmp_path, "rdna3", None, False),
+        compile_tiny(tiny_model, "rdna3", specs_copy(tmp_path, "rdna3", None, {}),
                      tmp_path / "without", submodules=("unet",))  # fmt: skip
 
     dump = tmp_path / "dump"
     art = tmp_path / "with"
-    compile_tiny(tiny_model, "rdna3", specs_copy(tmp_path, "rdna3", dump, True), art)
+    compile_tiny(tiny_model, "rdna3", specs_copy(tmp_path, "rdna3", dump, COOP), art)
     manifest = json.loads((art / "manifest.json").read_text())
     for sub in manifest["submodules"].values():
         assert list(sub["tuning_specs"]) == [SPEC_REL]
@@ -171,27 +180,74 @@ def ampere_build(tiny_model, tmp_path_factory):
     """The tiny model's UNet and VAE decoder compiled for ampere fp16: (artifact, dump)."""
     tmp = tmp_path_factory.mktemp("ampere")
     dump, art = tmp / "dump", tmp / "ampere"
-    compile_tiny(tiny_model, "ampere", specs_copy(tmp, "ampere", dump, False), art)
+    compile_tiny(tiny_model, "ampere", specs_copy(tmp, "ampere", dump, None), art)
     return art, dump
 
 
 def test_nvidia_presets_compile_fp16_without_cooperative_matrices(ampere_build):
     """ampere's fp16 build: every contraction on a SIMT pipeline, within the 48 KiB of shared
-    memory NVIDIA's Vulkan driver offers, and no spec."""
+    memory NVIDIA's Vulkan driver offers; the UNet with the SIMT attention spec
+    (tests/specs/test_vulkan_simt_spec.py), the VAE with none."""
     from sdiree.runtime.targets import load_registry
 
     vk = load_registry().target("vulkan-spirv")
     for name in ("ampere", "ada"):
         flags = " ".join(vk.arches[name].flags)
         assert "mma = []" in flags and "max_workgroup_memory_bytes = 49152" in flags, name
+        assert vk.arches[name].tuning_specs == {"unet": SIMT_REL}, name
     art, dump = ampere_build
     configs = configurations(dump)
     pipelines = {pipeline(t) for t in configs.values()}
     assert "MatmulPromoteVectorize" in pipelines and "CooperativeMatrixVectorize" not in pipelines
-    assert not tuned(configs)
+    assert tuned(configs) and not any(n.startswith("decode") for n in tuned(configs))
     manifest = json.loads((art / "manifest.json").read_text())
-    assert all(not sub["tuning_specs"] for sub in manifest["submodules"].values())
+    specs = {name: list(sub["tuning_specs"]) for name, sub in manifest["submodules"].items()}
+    assert specs == {"unet": [SIMT_REL], "vae_decoder": []}
     assert "cooperative_matrix" not in manifest["target"]["device_requires"]
+
+
+def test_nvidia_simt_spec_takes_exactly_attentions_pv(ampere_build, tmp_path):
+    """The ops the SIMT attention spec was written for, in the tiny ampere UNet: the attention
+    P.V batch matmuls whose head dim (N) is a multiple of 8 and not of 16 and whose keys (K)
+    are a multiple of 8 (self-attention at the 16x16 level; cross-attention's 77 keys keep
+    iree's choice, as does the 8x8 level's head dim of 4). Each carries the spec's marker and
+    the tiled SIMT pipeline; the same UNet configured without the spec configures them
+    otherwise (SD 1.5's on SubgroupReduce: tests/specs/test_vulkan_simt_spec.py) and every
+    other dispatch exactly as with it."""
+    import os
+    import subprocess
+
+    from sdiree.compile.iree_compile import iree_compile_tool
+
+    art, dump = ampere_build
+    configs = configurations(dump)
+    sub = json.loads((art / "manifest.json").read_text())["submodules"]["unet"]
+    (mlir,) = Path(os.environ["SDIREE_CACHE"]).rglob(sub["mlir"])
+    plain = tmp_path / "plain"
+    flags = [f for f in sub["flags"] if "dump-executable-configurations" not in f]
+    cmd = [
+        iree_compile_tool(), str(mlir), *flags, "--compile-to=executable-configurations",
+        f"--iree-hal-dump-executable-configurations-to={plain}", "-o", str(tmp_path / "x.mlir"),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    default = {n: t for n, t in configurations(plain).items() if n.startswith("denoise")}
+    unet = {n: t for n, t in configs.items() if n.startswith("denoise")}
+    assert set(default) == set(unet)
+
+    def is_pv(name: str) -> bool:
+        m = re.search(r"batch_matmul_\d+x(\d+)x(\d+)x(\d+)_f16xf16xf32$", name)
+        n, k = (int(m.group(2)), int(m.group(3))) if m else (0, 0)
+        return bool(m) and n % 8 == 0 and n % 16 != 0 and k % 8 == 0
+
+    matched = set(tuned(unet))
+    assert matched and matched == {n for n in unet if is_pv(n)}
+    for name, text in unet.items():
+        if name in matched:
+            assert pipeline(text) == "MatmulPromoteVectorize", name
+            assert choices(text) != choices(default[name]), name
+        else:
+            assert choices(text) == choices(default[name]), name
 
 
 def test_lavapipe_fp16_with_the_spec_matches_diffusers(tiny_model, tmp_path):
@@ -200,7 +256,7 @@ def test_lavapipe_fp16_with_the_spec_matches_diffusers(tiny_model, tmp_path):
     dump = tmp_path / "dump"
     art = tmp_path / "lavapipe-fp16"
     compile_tiny(
-        tiny_model, "lavapipe", specs_copy(tmp_path, "lavapipe", dump, True), art, TEXT_TO_IMAGE
+        tiny_model, "lavapipe", specs_copy(tmp_path, "lavapipe", dump, COOP), art, TEXT_TO_IMAGE
     )
     matched = tuned(configurations(dump))
     assert any("matmul_like" in n for n in matched) and any("batch_matmul" in n for n in matched)
@@ -222,7 +278,7 @@ def test_lavapipe_runs_nvidias_simt_choices_and_matches_diffusers(
     matches diffusers fp32."""
     dump = tmp_path / "dump"
     art = tmp_path / "lavapipe-as-ampere"
-    specs = specs_copy(tmp_path, "lavapipe", dump, False, target_of="ampere")
+    specs = specs_copy(tmp_path, "lavapipe", dump, None, target_of="ampere")
     compile_tiny(tiny_model, "lavapipe", specs, art, TEXT_TO_IMAGE)
     ours_cfg = configurations(dump)
     theirs = configurations(ampere_build[1])
