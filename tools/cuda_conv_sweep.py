@@ -253,19 +253,21 @@ def inputs(shape: Shape, seed: int = 0) -> list[np.ndarray]:
 
 def time_module(vmfb: Path, device, args: list, runs: int, warmup: int = 2):
     """(median seconds of one call, output) of `vmfb`'s `conv` on `device`, whose inputs
-    `args` already live there; `to_host` waits for the call."""
+    `args` already live there; copying the result to the host waits for the call."""
     import iree.runtime as rt
+
+    from sdiree.runtime.device import to_host
 
     config = rt.Config(device=device)
     ctx = rt.SystemContext(config=config)
     ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, vmfb.read_bytes()))
     fn = ctx.modules.module["conv"]
     for _ in range(warmup):
-        out = fn(*args).to_host()
+        out = to_host(device, fn(*args))
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
-        out = fn(*args).to_host()
+        out = to_host(device, fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times), np.asarray(out, dtype=np.float32)
 
