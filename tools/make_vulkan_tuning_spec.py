@@ -12,8 +12,13 @@ subgroup mma compute ops generated"):
 The spec sends those contractions to the SIMT matmul pipeline (MatmulPromoteVectorize) and
 leaves every other contraction (the linear layers, the 3x3 convolutions) on cooperative
 matrices. Each class is matched by its indexing maps and element types,
-never by its sizes; the tile is the largest of 64/16/8 that divides M, N and K (checked by
-matchers), so any image size and model family gets a valid config.
+never by its sizes; the M and N tile is the largest of 64/16/8 that divides both (8x8 results
+per thread at 64), the K step the largest of 32/16/8 that divides K (checked by matchers,
+apart: attention's head dim of 40 is K of Q.K^T, which took 4-thread workgroups while the K
+step was tied to the tile), so any image size and model family gets a valid config. P.V
+(`attention_batch_matmul`) whose M and N do not both take the 64 tile takes the tall tile of
+the NVIDIA presets' spec instead (tools/make_vulkan_simt_spec.py: 256 queries by 8 head-dim
+columns on 64 threads where a head dim of 40 took [8, 8] on 4 threads).
 
 Run: python tools/make_vulkan_tuning_spec.py [OUT]; tests/specs/test_tuning_specs.py checks that
 the shipped file is this script's output.
@@ -24,6 +29,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from make_vulkan_simt_spec import pv_matchers as simt_pv_matchers
 from tuning_spec_text import (
     APPLY_OP_CONFIG,
     contraction_head,
@@ -96,8 +102,10 @@ CLASSES = {
     ),
 }
 
-# (tile of M and N, tile of K, threads per M and N): 8x8 results per thread at 64.
-TIERS = [(64, 32, 8), (16, 16, 4), (8, 8, 2)]
+# (tile of M and N, threads per M and N): 8x8 results per thread at 64; the K step, the largest
+# of K_STEPS that divides K.
+TIERS = [(64, 8), (16, 4), (8, 2)]
+K_STEPS = (32, 16, 8)
 
 
 def _config(roles: str, tile: int, ktile: int, threads: int) -> str:
@@ -124,12 +132,15 @@ def render() -> str:
     ]
     pairs = []
     for cname, (maps, roles, where) in CLASSES.items():
-        for tile, ktile, threads in TIERS:
-            name = f"match_{cname}_{tile}"
-            checks = [(*where["m"], tile), (*where["n"], tile), (*where["k"], ktile)]
-            out += contraction_head(name, maps, checks)
-            out += yield_config(_config(roles, tile, ktile, threads))
-            pairs.append((name, "apply_op_config"))
+        for tile, threads in TIERS:
+            for ktile in (k for k in K_STEPS if k <= max(tile, 16)):
+                name = f"match_{cname}_{tile}_k{ktile}"
+                checks = [(*where["m"], tile), (*where["n"], tile), (*where["k"], ktile)]
+                out += contraction_head(name, maps, checks)
+                out += yield_config(_config(roles, tile, ktile, threads))
+                pairs.append((name, "apply_op_config"))
+            if cname == "attention_batch_matmul" and tile == 64:
+                out += simt_pv_matchers(f"match_{cname}_tall", pairs)
     out += entrypoint(pairs)
     return "\n".join(out)
 

@@ -11,7 +11,7 @@ transform.named_sequence @apply_op_config(%op: !transform.any_op {transform.read
   transform.yield
 }
 
-transform.named_sequence @match_nt_out_2d_kmajor_64(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_nt_out_2d_kmajor_64_k32(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -33,7 +33,51 @@ transform.named_sequence @match_nt_out_2d_kmajor_64(%op: !transform.any_op {tran
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_nt_out_2d_kmajor_16(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_nt_out_2d_kmajor_64_k16(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2) -> (d2, d1)>,
+      affine_map<(d0, d1, d2) -> (d0, d2)>,
+      affine_map<(d0, d1, d2) -> (d0, d1)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[0], 16 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[64, 64, 16]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [8, 8, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_2d_kmajor_64_k8(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2) -> (d2, d1)>,
+      affine_map<(d0, d1, d2) -> (d0, d2)>,
+      affine_map<(d0, d1, d2) -> (d0, d1)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[0], 8 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[64, 64, 8]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [8, 8, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_2d_kmajor_16_k16(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -55,7 +99,51 @@ transform.named_sequence @match_nt_out_2d_kmajor_16(%op: !transform.any_op {tran
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_nt_out_2d_kmajor_8(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_nt_out_2d_kmajor_16_k8(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2) -> (d2, d1)>,
+      affine_map<(d0, d1, d2) -> (d0, d2)>,
+      affine_map<(d0, d1, d2) -> (d0, d1)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 16 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 16 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[0], 8 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[16, 16, 8]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [4, 4, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_2d_kmajor_8_k16(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2) -> (d2, d1)>,
+      affine_map<(d0, d1, d2) -> (d0, d2)>,
+      affine_map<(d0, d1, d2) -> (d0, d1)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[0], 16 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[8, 8, 16]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 2, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_2d_kmajor_8_k8(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -77,7 +165,7 @@ transform.named_sequence @match_nt_out_2d_kmajor_8(%op: !transform.any_op {trans
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_nt_out_2d_64(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_nt_out_2d_64_k32(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -99,7 +187,51 @@ transform.named_sequence @match_nt_out_2d_64(%op: !transform.any_op {transform.r
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_nt_out_2d_16(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_nt_out_2d_64_k16(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2) -> (d1, d2)>,
+      affine_map<(d0, d1, d2) -> (d0, d2)>,
+      affine_map<(d0, d1, d2) -> (d0, d1)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[0], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 16 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[64, 64, 16]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [8, 8, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_2d_64_k8(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2) -> (d1, d2)>,
+      affine_map<(d0, d1, d2) -> (d0, d2)>,
+      affine_map<(d0, d1, d2) -> (d0, d1)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[0], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 8 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[64, 64, 8]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [8, 8, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_2d_16_k16(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -121,7 +253,51 @@ transform.named_sequence @match_nt_out_2d_16(%op: !transform.any_op {transform.r
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_nt_out_2d_8(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_nt_out_2d_16_k8(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2) -> (d1, d2)>,
+      affine_map<(d0, d1, d2) -> (d0, d2)>,
+      affine_map<(d0, d1, d2) -> (d0, d1)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[0], 16 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 16 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 8 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[16, 16, 8]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [4, 4, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_2d_8_k16(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2) -> (d1, d2)>,
+      affine_map<(d0, d1, d2) -> (d0, d2)>,
+      affine_map<(d0, d1, d2) -> (d0, d1)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[0], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 16 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[8, 8, 16]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 2, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_2d_8_k8(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -143,7 +319,7 @@ transform.named_sequence @match_nt_out_2d_8(%op: !transform.any_op {transform.re
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_nt_out_batch_kmajor_64(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_nt_out_batch_kmajor_64_k32(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -165,7 +341,51 @@ transform.named_sequence @match_nt_out_batch_kmajor_64(%op: !transform.any_op {t
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_nt_out_batch_kmajor_16(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_nt_out_batch_kmajor_64_k16(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 16 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 64, 64, 16]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [8, 8, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_batch_kmajor_64_k8(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 8 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 64, 64, 8]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [8, 8, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_batch_kmajor_16_k16(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -187,7 +407,51 @@ transform.named_sequence @match_nt_out_batch_kmajor_16(%op: !transform.any_op {t
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_nt_out_batch_kmajor_8(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_nt_out_batch_kmajor_16_k8(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 16 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 16 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 8 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 16, 16, 8]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [4, 4, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_batch_kmajor_8_k16(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 16 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 8, 8, 16]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 2, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_batch_kmajor_8_k8(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -209,7 +473,7 @@ transform.named_sequence @match_nt_out_batch_kmajor_8(%op: !transform.any_op {tr
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_nt_out_batch_64(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_nt_out_batch_64_k32(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -231,7 +495,51 @@ transform.named_sequence @match_nt_out_batch_64(%op: !transform.any_op {transfor
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_nt_out_batch_16(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_nt_out_batch_64_k16(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d2, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 16 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 64, 64, 16]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [8, 8, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_batch_64_k8(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d2, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 8 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 64, 64, 8]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [8, 8, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_batch_16_k16(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -253,7 +561,51 @@ transform.named_sequence @match_nt_out_batch_16(%op: !transform.any_op {transfor
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_nt_out_batch_8(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_nt_out_batch_16_k8(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d2, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 16 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 16 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 8 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 16, 16, 8]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [4, 4, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_batch_8_k16(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d2, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 16 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 8, 8, 16]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 2, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_batch_8_k8(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -275,7 +627,7 @@ transform.named_sequence @match_nt_out_batch_8(%op: !transform.any_op {transform
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_nt_out_2m_kmajor_64(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_nt_out_2m_kmajor_64_k32(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -297,7 +649,51 @@ transform.named_sequence @match_nt_out_2m_kmajor_64(%op: !transform.any_op {tran
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_nt_out_2m_kmajor_16(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_nt_out_2m_kmajor_64_k16(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d3, d1, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[0], 16 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[64, 1, 64, 16]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [8, 8, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_2m_kmajor_64_k8(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d3, d1, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[0], 8 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[64, 1, 64, 8]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [8, 8, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_2m_kmajor_16_k16(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -319,7 +715,51 @@ transform.named_sequence @match_nt_out_2m_kmajor_16(%op: !transform.any_op {tran
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_nt_out_2m_kmajor_8(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_nt_out_2m_kmajor_16_k8(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d3, d1, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 16 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 16 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[0], 8 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[16, 1, 16, 8]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [4, 4, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_2m_kmajor_8_k16(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d3, d1, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[0], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[0], 16 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[8, 1, 8, 16]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 2, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_nt_out_2m_kmajor_8_k8(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -341,7 +781,7 @@ transform.named_sequence @match_nt_out_2m_kmajor_8(%op: !transform.any_op {trans
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_attention_qkt_64(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_attention_qkt_64_k32(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -363,7 +803,51 @@ transform.named_sequence @match_attention_qkt_64(%op: !transform.any_op {transfo
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_attention_qkt_16(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_attention_qkt_64_k16(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d2, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[1], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 16 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 64, 64, 16]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [8, 8, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_qkt_64_k8(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d2, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[1], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 8 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 64, 64, 8]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [8, 8, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_qkt_16_k16(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -385,7 +869,51 @@ transform.named_sequence @match_attention_qkt_16(%op: !transform.any_op {transfo
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_attention_qkt_8(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_attention_qkt_16_k8(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d2, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 16 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[1], 16 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 8 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 16, 16, 8]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [4, 4, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_qkt_8_k16(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d2, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[1], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 16 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 8, 8, 16]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 2, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_qkt_8_k8(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -407,7 +935,7 @@ transform.named_sequence @match_attention_qkt_8(%op: !transform.any_op {transfor
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_attention_batch_matmul_64(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_attention_batch_matmul_64_k32(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -429,7 +957,381 @@ transform.named_sequence @match_attention_batch_matmul_64(%op: !transform.any_op
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_attention_batch_matmul_16(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_attention_batch_matmul_64_k16(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[2], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 16 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 64, 64, 16]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [8, 8, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_batch_matmul_64_k8(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[2], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 8 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 64, 64, 8]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [8, 8, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_batch_matmul_tall_n8_m256_k32(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[2], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 256 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 32 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 256, 8, 32]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 32, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_batch_matmul_tall_n8_m256_k16(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[2], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 256 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 16 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 256, 8, 16]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 32, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_batch_matmul_tall_n8_m256_k8(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[2], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 256 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 8 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 256, 8, 8]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 32, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_batch_matmul_tall_n8_m128_k32(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[2], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 128 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 32 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 128, 8, 32]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 16, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_batch_matmul_tall_n8_m128_k16(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[2], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 128 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 16 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 128, 8, 16]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 16, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_batch_matmul_tall_n8_m128_k8(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[2], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 128 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 8 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 128, 8, 8]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 16, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_batch_matmul_tall_n8_m64_k32(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[2], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 32 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 64, 8, 32]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 8, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_batch_matmul_tall_n8_m64_k16(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[2], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 16 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 64, 8, 16]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 8, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_batch_matmul_tall_n8_m64_k8(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[2], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 64 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 8 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 64, 8, 8]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 8, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_batch_matmul_tall_n8_m32_k32(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[2], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 32 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 32 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 32, 8, 32]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 4, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_batch_matmul_tall_n8_m32_k16(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[2], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 32 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 16 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 32, 8, 16]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 4, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_batch_matmul_tall_n8_m32_k8(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[2], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 32 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 8 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 32, 8, 8]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 4, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_batch_matmul_tall_n8_m16_k32(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[2], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 16 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 32 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 16, 8, 32]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 2, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_batch_matmul_tall_n8_m16_k16(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[2], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 16 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 16 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 16, 8, 16]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 2, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_batch_matmul_tall_n8_m16_k8(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[2], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 16 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 8 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 16, 8, 8]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 2, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_batch_matmul_16_k16(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -451,7 +1353,51 @@ transform.named_sequence @match_attention_batch_matmul_16(%op: !transform.any_op
   transform.yield %op, %config : !transform.any_op, !transform.any_param
 }
 
-transform.named_sequence @match_attention_batch_matmul_8(%op: !transform.any_op {transform.readonly})
+transform.named_sequence @match_attention_batch_matmul_16_k8(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 16 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[2], 16 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 8 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 16, 16, 8]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [4, 4, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_batch_matmul_8_k16(%op: !transform.any_op {transform.readonly})
+    -> (!transform.any_op, !transform.any_param) {
+  transform.iree.match.has_no_lowering_config %op : !transform.any_op
+  %b, %m, %n, %k = transform.iree.match.contraction %op,
+    lhs_type = f16, rhs_type = f16, output_type = f32,
+    indexing_maps = [
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d3)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d3, d2)>,
+      affine_map<(d0, d1, d2, d3) -> (d0, d1, d2)>] : !transform.any_op -> !transform.param<i64>
+  %in0 = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+  %in1 = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[1], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in1[2], 8 : !transform.any_value
+  transform.iree.match.dim_is_multiple_of %in0[2], 16 : !transform.any_value
+  %config = transform.param.constant #iree_codegen.compilation_info<
+    lowering_config = #iree_codegen.lowering_config<tile_sizes = [[1, 8, 8, 16]]>,
+    translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>
+      workgroup_size = [2, 2, 1], {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>
+    -> !transform.any_param
+  transform.yield %op, %config : !transform.any_op, !transform.any_param
+}
+
+transform.named_sequence @match_attention_batch_matmul_8_k8(%op: !transform.any_op {transform.readonly})
     -> (!transform.any_op, !transform.any_param) {
   transform.iree.match.has_no_lowering_config %op : !transform.any_op
   %b, %m, %n, %k = transform.iree.match.contraction %op,
@@ -476,27 +1422,70 @@ transform.named_sequence @match_attention_batch_matmul_8(%op: !transform.any_op 
 transform.named_sequence @__kernel_config(%variant_op: !transform.any_op {transform.consumed})
     -> !transform.any_op attributes {iree_codegen.tuning_spec_entrypoint} {
   %res = transform.foreach_match in %variant_op
-    @match_nt_out_2d_kmajor_64 -> @apply_op_config,
-    @match_nt_out_2d_kmajor_16 -> @apply_op_config,
-    @match_nt_out_2d_kmajor_8 -> @apply_op_config,
-    @match_nt_out_2d_64 -> @apply_op_config,
-    @match_nt_out_2d_16 -> @apply_op_config,
-    @match_nt_out_2d_8 -> @apply_op_config,
-    @match_nt_out_batch_kmajor_64 -> @apply_op_config,
-    @match_nt_out_batch_kmajor_16 -> @apply_op_config,
-    @match_nt_out_batch_kmajor_8 -> @apply_op_config,
-    @match_nt_out_batch_64 -> @apply_op_config,
-    @match_nt_out_batch_16 -> @apply_op_config,
-    @match_nt_out_batch_8 -> @apply_op_config,
-    @match_nt_out_2m_kmajor_64 -> @apply_op_config,
-    @match_nt_out_2m_kmajor_16 -> @apply_op_config,
-    @match_nt_out_2m_kmajor_8 -> @apply_op_config,
-    @match_attention_qkt_64 -> @apply_op_config,
-    @match_attention_qkt_16 -> @apply_op_config,
-    @match_attention_qkt_8 -> @apply_op_config,
-    @match_attention_batch_matmul_64 -> @apply_op_config,
-    @match_attention_batch_matmul_16 -> @apply_op_config,
-    @match_attention_batch_matmul_8 -> @apply_op_config
+    @match_nt_out_2d_kmajor_64_k32 -> @apply_op_config,
+    @match_nt_out_2d_kmajor_64_k16 -> @apply_op_config,
+    @match_nt_out_2d_kmajor_64_k8 -> @apply_op_config,
+    @match_nt_out_2d_kmajor_16_k16 -> @apply_op_config,
+    @match_nt_out_2d_kmajor_16_k8 -> @apply_op_config,
+    @match_nt_out_2d_kmajor_8_k16 -> @apply_op_config,
+    @match_nt_out_2d_kmajor_8_k8 -> @apply_op_config,
+    @match_nt_out_2d_64_k32 -> @apply_op_config,
+    @match_nt_out_2d_64_k16 -> @apply_op_config,
+    @match_nt_out_2d_64_k8 -> @apply_op_config,
+    @match_nt_out_2d_16_k16 -> @apply_op_config,
+    @match_nt_out_2d_16_k8 -> @apply_op_config,
+    @match_nt_out_2d_8_k16 -> @apply_op_config,
+    @match_nt_out_2d_8_k8 -> @apply_op_config,
+    @match_nt_out_batch_kmajor_64_k32 -> @apply_op_config,
+    @match_nt_out_batch_kmajor_64_k16 -> @apply_op_config,
+    @match_nt_out_batch_kmajor_64_k8 -> @apply_op_config,
+    @match_nt_out_batch_kmajor_16_k16 -> @apply_op_config,
+    @match_nt_out_batch_kmajor_16_k8 -> @apply_op_config,
+    @match_nt_out_batch_kmajor_8_k16 -> @apply_op_config,
+    @match_nt_out_batch_kmajor_8_k8 -> @apply_op_config,
+    @match_nt_out_batch_64_k32 -> @apply_op_config,
+    @match_nt_out_batch_64_k16 -> @apply_op_config,
+    @match_nt_out_batch_64_k8 -> @apply_op_config,
+    @match_nt_out_batch_16_k16 -> @apply_op_config,
+    @match_nt_out_batch_16_k8 -> @apply_op_config,
+    @match_nt_out_batch_8_k16 -> @apply_op_config,
+    @match_nt_out_batch_8_k8 -> @apply_op_config,
+    @match_nt_out_2m_kmajor_64_k32 -> @apply_op_config,
+    @match_nt_out_2m_kmajor_64_k16 -> @apply_op_config,
+    @match_nt_out_2m_kmajor_64_k8 -> @apply_op_config,
+    @match_nt_out_2m_kmajor_16_k16 -> @apply_op_config,
+    @match_nt_out_2m_kmajor_16_k8 -> @apply_op_config,
+    @match_nt_out_2m_kmajor_8_k16 -> @apply_op_config,
+    @match_nt_out_2m_kmajor_8_k8 -> @apply_op_config,
+    @match_attention_qkt_64_k32 -> @apply_op_config,
+    @match_attention_qkt_64_k16 -> @apply_op_config,
+    @match_attention_qkt_64_k8 -> @apply_op_config,
+    @match_attention_qkt_16_k16 -> @apply_op_config,
+    @match_attention_qkt_16_k8 -> @apply_op_config,
+    @match_attention_qkt_8_k16 -> @apply_op_config,
+    @match_attention_qkt_8_k8 -> @apply_op_config,
+    @match_attention_batch_matmul_64_k32 -> @apply_op_config,
+    @match_attention_batch_matmul_64_k16 -> @apply_op_config,
+    @match_attention_batch_matmul_64_k8 -> @apply_op_config,
+    @match_attention_batch_matmul_tall_n8_m256_k32 -> @apply_op_config,
+    @match_attention_batch_matmul_tall_n8_m256_k16 -> @apply_op_config,
+    @match_attention_batch_matmul_tall_n8_m256_k8 -> @apply_op_config,
+    @match_attention_batch_matmul_tall_n8_m128_k32 -> @apply_op_config,
+    @match_attention_batch_matmul_tall_n8_m128_k16 -> @apply_op_config,
+    @match_attention_batch_matmul_tall_n8_m128_k8 -> @apply_op_config,
+    @match_attention_batch_matmul_tall_n8_m64_k32 -> @apply_op_config,
+    @match_attention_batch_matmul_tall_n8_m64_k16 -> @apply_op_config,
+    @match_attention_batch_matmul_tall_n8_m64_k8 -> @apply_op_config,
+    @match_attention_batch_matmul_tall_n8_m32_k32 -> @apply_op_config,
+    @match_attention_batch_matmul_tall_n8_m32_k16 -> @apply_op_config,
+    @match_attention_batch_matmul_tall_n8_m32_k8 -> @apply_op_config,
+    @match_attention_batch_matmul_tall_n8_m16_k32 -> @apply_op_config,
+    @match_attention_batch_matmul_tall_n8_m16_k16 -> @apply_op_config,
+    @match_attention_batch_matmul_tall_n8_m16_k8 -> @apply_op_config,
+    @match_attention_batch_matmul_16_k16 -> @apply_op_config,
+    @match_attention_batch_matmul_16_k8 -> @apply_op_config,
+    @match_attention_batch_matmul_8_k16 -> @apply_op_config,
+    @match_attention_batch_matmul_8_k8 -> @apply_op_config
     : (!transform.any_op) -> !transform.any_op
   transform.yield %res : !transform.any_op
 }

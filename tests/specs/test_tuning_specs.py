@@ -39,7 +39,7 @@ PROMPT = "a lighthouse at dusk, oil painting"
 def test_shipped_spec_is_the_generators_output():
     assert SPEC.read_text() == render()
     for name in CLASSES:
-        assert f"@match_{name}_64" in SPEC.read_text()
+        assert f"@match_{name}_64_k32" in SPEC.read_text()
 
 
 def test_registry_gives_the_spec_to_the_cooperative_matrix_arches():

@@ -1,7 +1,7 @@
-"""The NVIDIA Vulkan presets' tuning spec (tools/make_vulkan_simt_spec.py) at SD 1.5's sizes:
-it is its generator's output, takes SD 1.5's 64x64-level P.V off the per-output reduction iree
-3.13 gives it for ampere, leaves the P.V shapes iree tiles itself alone, and the tile it gives
-computes P.V right when lavapipe runs it. (The tiny model's UNet: tests/specs/
+"""The SIMT Vulkan presets' UNet spec (tools/make_vulkan_simt_spec.py) at SD 1.5's sizes: it
+is its generator's output and every SIMT GPU preset's, takes SD 1.5's 64x64-level P.V off the
+per-output reduction iree 3.13 gives it there, leaves the P.V shapes iree tiles itself alone,
+and the tile it gives computes P.V right when lavapipe runs it. (The tiny model's UNet: tests/specs/
 test_tuning_specs.py, test_nvidia_simt_spec_takes_exactly_attentions_pv.)"""
 
 from __future__ import annotations
@@ -72,17 +72,37 @@ def config(text: str) -> tuple[str, str, str]:
     )
 
 
+SIMT_GPUS = (
+    "rdna2",
+    "gcn",
+    "ampere",
+    "ada",
+    "arc",
+)  # fp16 GPU presets without cooperative matrices
+
+
+def test_every_simt_gpu_preset_gives_its_unet_the_spec():
+    from sdiree.runtime.targets import load_registry
+
+    vk = load_registry().target("vulkan-spirv")
+    for name, arch in vk.arches.items():
+        gpu_fp16 = name != "lavapipe" and "fp16" not in arch.refused_dtypes
+        simt_gpu = gpu_fp16 and not arch.device.get("cooperative_matrix")
+        assert (arch.tuning_specs == {"unet": "tuning/vulkan_simt_attention.mlir"}) == simt_gpu
+        assert simt_gpu == (name in SIMT_GPUS), name
+
+
 def test_sd15_self_attention_pv_leaves_the_reduction_pipeline(tmp_path):
     """SD 1.5's guided 64x64 P.V at 512² (16 heads x 4096 queries, head dim 40, 4096 keys):
-    iree 3.13's ampere config is a reduction per output; with the spec, the tiled SIMT matmul
-    pipeline, 256 queries by 8 columns per workgroup on 2x32 threads, as ada's."""
+    iree 3.13's config on every SIMT GPU preset is a reduction per output; with the spec, the
+    tiled SIMT matmul pipeline, 256 queries by 8 columns per workgroup on 2x32 threads."""
     shape = (16, 4096, 40, 4096)
-    plain, _ = compile_pv(tmp_path, shape, "ampere", False)
-    assert config(plain)[0] == "SubgroupReduce" and MARKER not in plain
-    for arch in ("ampere", "ada"):
+    for arch in SIMT_GPUS:
+        plain, _ = compile_pv(tmp_path, shape, arch, False)
+        assert config(plain)[0] == "SubgroupReduce" and MARKER not in plain, arch
         text, _ = compile_pv(tmp_path, shape, arch, True)
-        assert MARKER in text
-        assert config(text) == ("MatmulPromoteVectorize", "[2, 32, 1]", "[[1, 256, 8, 32]]")
+        assert MARKER in text, arch
+        assert config(text) == ("MatmulPromoteVectorize", "[2, 32, 1]", "[[1, 256, 8, 32]]"), arch
 
 
 @pytest.mark.parametrize(
