@@ -334,6 +334,8 @@ def _sweep(a: argparse.Namespace, work: Path) -> dict:
                     seconds, out = time_module(vmfb, device, args, a.runs)
                 except RuntimeError as e:  # a candidate the GPU refuses: dropped, not fatal
                     row["error"] = f"run: {str(e).splitlines()[0][:300]}"
+                    if tile is None:  # nothing to compare this shape's candidates with
+                        break
                     continue
                 row["seconds"] = seconds / a.repeat
                 if tile is None:

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import cuda_conv_sweep as sweep  # noqa: E402
 from cuda_conv_sweep import MARKER, Shape, Tile  # noqa: E402
+from test_rocm_tuning_spec import configurations  # noqa: E402
 
 TILE = Tile(2, 16, 1, 1, 4)  # 2 warps; no conv of the tiny UNet gets it from the compiler
 
@@ -58,14 +59,6 @@ def test_a_cuda_spec_in_the_registry_is_attached_not_flagged(tiny_model, tmp_pat
     assert list(used) == ["tuning/cuda_test.mlir"]
     assert embedded_spec(plan, "unet") == specs / "tuning" / "cuda_test.mlir"
     assert embedded_spec(plan, "vae_decoder") is None
-
-
-def _configurations(dump: Path) -> dict[str, str]:
-    out = {}
-    for f in dump.glob("*.mlir"):
-        for chunk in re.split(r"(?=func\.func @)", f.read_text())[1:]:
-            out[re.match(r"func\.func @(\S+?)\(", chunk).group(1)] = chunk
-    return out
 
 
 def _lowering(text: str) -> list[str]:
@@ -104,7 +97,7 @@ def test_cuda_reads_the_attached_spec_and_ignores_the_flag(compiled, tmp_path):
         ]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
-        return _configurations(dump)
+        return configurations(dump)
 
     default = configured(mlir, [], "default")
     shapes = {n: _shape(n, t) for n, t in default.items()}
