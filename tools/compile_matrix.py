@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -59,7 +60,7 @@ def _size(path: Path) -> int:
     for root, _, files in os.walk(path):
         for f in files:
             st = os.lstat(os.path.join(root, f))
-            if st.st_ino not in seen and not os.path.islink(os.path.join(root, f)):
+            if stat.S_ISREG(st.st_mode) and st.st_ino not in seen:
                 seen.add(st.st_ino)
                 total += st.st_size
     return total
@@ -162,8 +163,8 @@ def main(argv=None) -> int:
             if not sep or not Path(path).is_dir():
                 ap.error(f"--model {m!r}: give LABEL=PATH with PATH a model folder")
             models.append((label, path))
-        split = lambda s: s.split(",") if s else None  # noqa: E731
-        combos = combinations(load_registry(), split(args.targets), split(args.arches), args.dtype)
+        targets, arches = (s.split(",") if s else None for s in (args.targets, args.arches))
+        combos = combinations(load_registry(), targets, arches, args.dtype)
         args.out.mkdir(parents=True, exist_ok=True)
         done = {(r["model"], r["target"], r["arch"], r["dtype"]) for r in read_rows(rows_path)}
         for label, path in models:

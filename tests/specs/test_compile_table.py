@@ -4,16 +4,15 @@ its reason: a preset added or refused without a full-size compile row fails here
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import sys
 from pathlib import Path
 
 from sdiree.runtime.targets import load_registry
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("compile_matrix", ROOT / "tools/compile_matrix.py")
-matrix = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(matrix)
+sys.path.insert(0, str(ROOT / "tools"))
+import compile_matrix as matrix  # noqa: E402
 
 SECTION = "## Full-size fp16 compiles, every GPU target and arch"
 # the table's model of each family of specs/families.json, at its main size

@@ -4,7 +4,6 @@ are recorded, failures with the command's last line; a rerun resumes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,10 +14,10 @@ import pytest
 
 from sdiree.runtime.targets import load_registry
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "compile_matrix.py"
-spec = importlib.util.spec_from_file_location("compile_matrix", TOOL)
-matrix = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(matrix)
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "compile_matrix.py"
+sys.path.insert(0, str(ROOT / "tools"))
+import compile_matrix as matrix  # noqa: E402
 
 
 def test_every_gpu_preset_is_a_combination_and_refusals_come_from_the_registry():
