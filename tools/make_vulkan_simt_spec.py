@@ -1,8 +1,9 @@
 """Write specs/tuning/vulkan_simt_attention.mlir, the UNet spec of the SIMT Vulkan presets.
 
-NVIDIA's Vulkan driver refuses iree 3.13's cooperative-matrix shaders, so the `ampere` and `ada`
-presets run every contraction on SIMT pipelines (specs/README.md), as `rdna2`, `gcn` and `arc`
-do (no cooperative matrices). There iree 3.13 configures
+iree 3.13's cooperative-matrix shaders declare f32 operand matrices no driver offers (NVIDIA's
+refused them), so every GPU preset runs every contraction on SIMT pipelines: `rdna3`, `ampere`
+and `ada` as targets without `mma`, `rdna2`, `gcn` and `arc` as iree describes them
+(specs/README.md). There iree 3.13 configures
 attention's P.V batch matmul, [b, queries, keys] x [b, keys, head dim], as a reduction
 (`SubgroupReduce`: one workgroup per output element, reading V down its columns) wherever the
 head dim is not a multiple of 16: SD 1.x's 40 at its 64x64 level (`batch_matmul_16x4096x40x4096`

@@ -55,8 +55,9 @@ def caps(name, vendor, lo=32, hi=64, coop=False, shared=65536):
         (caps("AMD Radeon Graphics (RADV RAVEN)", 0x1002, lo=64), "gcn"),
         (caps("NVIDIA Graphics Device", 0x10DE, lo=32, hi=32, coop=True, shared=49152), "ampere"),
         (caps("Intel(R) Graphics (BMG G21)", 0x8086, lo=8, hi=32), "arc"),
-        # an RDNA3 name on a driver without cooperative matrices: the properties win
-        (caps("AMD Radeon RX 7900 XTX (RADV GFX1100)", 0x1002), "rdna2"),
+        # rdna3's kernels need no cooperative matrices (iree 3.13's are unusable): an RDNA3 on
+        # a driver without them still gets rdna3
+        (caps("AMD Radeon RX 7900 XTX (RADV GFX1100)", 0x1002), "rdna3"),
         # a name match breaks a tie between presets the device fits
         (caps("NVIDIA GeForce RTX 4090", 0x10DE, lo=32, hi=32, coop=True, shared=49152), "ada"),
         # the NVIDIA presets need no cooperative matrices (their kernels are SIMT): a GPU

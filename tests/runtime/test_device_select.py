@@ -98,11 +98,12 @@ def gpu_manifest(arch, dtype):
         ("gcn", "fp16", {"fp16": True}, None),
         # an rdna2 module may use subgroups of 32: not on a wave64-only GCN
         ("rdna2", "fp32", {}, "subgroup size 32 \\(it runs 64-64\\).*--arch gcn"),
+        # rdna3's kernels need nothing an RDNA2 lacks, but its name picks rdna2
         (
             "rdna3",
             "fp16",
             {"min_subgroup_size": 32, "fp16": True, "name": "AMD Radeon (GFX1036)"},
-            "cooperative matrices.*--arch rdna2",
+            "compiled for vulkan arch rdna3.*--arch rdna2",
         ),
     ],
 )

@@ -1,15 +1,13 @@
-"""The shipped tuning specs: each is what its generator writes, is needed, matches the ops it was
-written for (the compiler's own configuration dump shows its marker on them) and changes the
-compiled module; and the SIMT choices it makes give fp16 images equal to diffusers' fp32 ones.
+"""The Vulkan GPU presets' fp16 code path, SIMT on every GPU: what each configures and that
+its numbers hold.
 
-vulkan-spirv's spec (tools/make_vulkan_tuning_spec.py) sends the contractions that iree 3.13's
-cooperative-matrix codegen fails on to the SIMT matmul pipeline. Checked by cross-compiling the
-tiny model for rdna3 fp16, and on lavapipe, which runs an fp16 build that takes the same choices
-for those ops. The NVIDIA presets (ampere, ada) use no cooperative matrices at all: NVIDIA's
-Vulkan driver refuses every cooperative-matrix shader iree 3.13 writes (an H200, driver 580;
-tools/PERFORMANCE.md), so they need no spec, and a test here shows their fp16 builds
-hold none; lavapipe given ampere's target description configures every contraction as ampere
-does, and runs that path's fp16 numerics for real.
+No vulkan-spirv preset uses cooperative matrices: iree 3.13 writes them with f32 operand
+matrices no driver offers (tests/specs/test_vulkan_cooperative_matrix.py). The NVIDIA presets
+(ampere, ada) and rdna3 are iree's targets with an empty `mma` list, so every contraction takes
+a SIMT pipeline; their UNet carries the SIMT attention spec (tests/specs/test_vulkan_simt_spec.py),
+shown here on the tiny model to take exactly attention's P.V. lavapipe given such a preset's
+target description configures every contraction as that preset does and runs that path's
+fp16 numerics for real against diffusers fp32.
 """
 
 from __future__ import annotations
@@ -26,32 +24,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
-from make_vulkan_tuning_spec import CLASSES, SPEC, render  # noqa: E402
 from parity import diffusers_images, psnr  # noqa: E402
 
 MARKER = "__tuning_spec_applied__"
-SPEC_REL = "tuning/vulkan_coopmatrix_fallback.mlir"
-COOP = {"*": SPEC_REL}
 SIMT_REL = "tuning/vulkan_simt_attention.mlir"
 PROMPT = "a lighthouse at dusk, oil painting"
-
-
-def test_shipped_spec_is_the_generators_output():
-    assert SPEC.read_text() == render()
-    for name in CLASSES:
-        assert f"@match_{name}_64_k32" in SPEC.read_text()
-
-
-def test_registry_gives_the_spec_to_the_cooperative_matrix_arches():
-    from sdiree.runtime.targets import load_registry
-
-    vk = load_registry().target("vulkan-spirv")
-    assert vk.tuning_spec_via == "module-attribute"
-    with_mma = {"rdna3"}
-    for name, arch in vk.arches.items():
-        assert (arch.tuning_specs == {"*": SPEC_REL}) == (name in with_mma), name
-        assert bool(arch.device.get("cooperative_matrix")) == (name in with_mma), name
-        assert "fp16" not in arch.refused_dtypes or name == "baseline", name
 
 
 def specs_copy(
@@ -137,35 +114,6 @@ def image_and_reference(model: Path, art: Path, tmp_path: Path, steps: int = 4):
     return ours, ref
 
 
-def test_cooperative_matrix_arch_needs_the_spec_and_it_applies(tiny_model, tmp_path):
-    from sdiree.runtime.errors import UserError
-
-    with pytest.raises(UserError, match="no GPU subgroup mma compute ops generated"):
-        compile_tiny(tiny_model, "rdna3", specs_copy(tmp_path, "rdna3", None, {}),
-                     tmp_path / "without", submodules=("unet",))  # fmt: skip
-
-    dump = tmp_path / "dump"
-    art = tmp_path / "with"
-    compile_tiny(tiny_model, "rdna3", specs_copy(tmp_path, "rdna3", dump, COOP), art)
-    manifest = json.loads((art / "manifest.json").read_text())
-    for sub in manifest["submodules"].values():
-        assert list(sub["tuning_specs"]) == [SPEC_REL]
-        assert not any("tuning" in f or "transform-dialect" in f for f in sub["flags"])
-    configs = configurations(dump)
-    matched = tuned(configs)
-    # the ops it was written for: the transposed-output 1x1 convolutions and the attention
-    # batch matmuls, in the UNet and the VAE; each now on the SIMT pipeline
-    assert any("matmul_like" in n for n in matched) and any("batch_matmul" in n for n in matched)
-    assert any(n.startswith("decode") for n in matched)
-    for name, text in matched.items():
-        assert re.search(r"(matmul_like|batch_matmul)\w*_f16xf16xf32$", name), name
-        assert pipeline(text) == "MatmulPromoteVectorize", name
-    # and nothing else: cooperative matrices stay where they compile
-    coop = [n for n, t in configs.items() if pipeline(t) == "CooperativeMatrixVectorize"]
-    assert coop and not set(coop) & set(matched)
-    assert not any(MARKER in t for n, t in configs.items() if n not in matched)
-
-
 def choices(text: str) -> tuple:
     """An executable's configuration as iree chose it: its translation info (pipeline,
     workgroup size) and lowering configs (tiles), without the target it was chosen for."""
@@ -175,27 +123,37 @@ def choices(text: str) -> tuple:
     )
 
 
-@pytest.fixture(scope="module")
-def ampere_build(tiny_model, tmp_path_factory):
-    """The tiny model's UNet and VAE decoder compiled for ampere fp16: (artifact, dump)."""
-    tmp = tmp_path_factory.mktemp("ampere")
-    dump, art = tmp / "dump", tmp / "ampere"
-    compile_tiny(tiny_model, "ampere", specs_copy(tmp, "ampere", dump, None), art)
+def gpu_build(model: Path, tmp: Path, arch: str):
+    """The tiny model's UNet and VAE decoder compiled for arch fp16: (artifact, dump)."""
+    dump, art = tmp / "dump", tmp / arch
+    compile_tiny(model, arch, specs_copy(tmp, arch, dump, None), art)
     return art, dump
 
 
-def test_nvidia_presets_compile_fp16_without_cooperative_matrices(ampere_build):
-    """ampere's fp16 build: every contraction on a SIMT pipeline, within the 48 KiB of shared
-    memory NVIDIA's Vulkan driver offers; the UNet with the SIMT attention spec
-    (tests/specs/test_vulkan_simt_spec.py), the VAE with none."""
+@pytest.fixture(scope="module")
+def ampere_build(tiny_model, tmp_path_factory):
+    return gpu_build(tiny_model, tmp_path_factory.mktemp("ampere"), "ampere")
+
+
+@pytest.fixture(scope="module")
+def rdna3_build(tiny_model, tmp_path_factory):
+    return gpu_build(tiny_model, tmp_path_factory.mktemp("rdna3"), "rdna3")
+
+
+@pytest.mark.parametrize("arch", ["ampere", "rdna3"])
+def test_gpu_presets_compile_fp16_without_cooperative_matrices(arch, request):
+    """ampere's and rdna3's fp16 builds: every contraction on a SIMT pipeline (ampere's within
+    the 48 KiB of shared memory NVIDIA's Vulkan driver offers); the UNet with the SIMT attention
+    spec (tests/specs/test_vulkan_simt_spec.py), the VAE with none."""
     from sdiree.runtime.targets import load_registry
 
     vk = load_registry().target("vulkan-spirv")
-    for name in ("ampere", "ada"):
+    for name in ("ampere", "ada", "rdna3"):
         flags = " ".join(vk.arches[name].flags)
-        assert "mma = []" in flags and "max_workgroup_memory_bytes = 49152" in flags, name
+        assert "mma = []" in flags, name
+        assert ("max_workgroup_memory_bytes = 49152" in flags) == (name != "rdna3"), name
         assert vk.arches[name].tuning_specs == {"unet": SIMT_REL}, name
-    art, dump = ampere_build
+    art, dump = request.getfixturevalue(f"{arch}_build")
     configs = configurations(dump)
     pipelines = {pipeline(t) for t in configs.values()}
     assert "MatmulPromoteVectorize" in pipelines and "CooperativeMatrixVectorize" not in pipelines
@@ -250,38 +208,22 @@ def test_nvidia_simt_spec_takes_exactly_attentions_pv(ampere_build, tmp_path):
             assert choices(text) == choices(default[name]), name
 
 
-def test_lavapipe_fp16_with_the_spec_matches_diffusers(tiny_model, tmp_path):
-    """lavapipe has no cooperative matrices: its fp16 build with the spec runs the same SIMT
-    configurations for the same ops as the rdna3 build, for real, against diffusers fp32."""
-    dump = tmp_path / "dump"
-    art = tmp_path / "lavapipe-fp16"
-    compile_tiny(
-        tiny_model, "lavapipe", specs_copy(tmp_path, "lavapipe", dump, COOP), art, TEXT_TO_IMAGE
-    )
-    matched = tuned(configurations(dump))
-    assert any("matmul_like" in n for n in matched) and any("batch_matmul" in n for n in matched)
-    assert all(pipeline(t) == "MatmulPromoteVectorize" for t in matched.values())
-
-    ours, ref = image_and_reference(tiny_model, art, tmp_path)
-    assert np.isfinite(ours).all()
-    assert psnr(ours, ref) >= 30.0
-
-
-def test_lavapipe_runs_nvidias_simt_choices_and_matches_diffusers(
-    tiny_model, ampere_build, tmp_path
+@pytest.mark.parametrize("arch", ["ampere", "rdna3"])
+def test_lavapipe_runs_the_gpu_presets_choices_and_matches_diffusers(
+    tiny_model, arch, request, tmp_path
 ):
-    """NVIDIA's fp16 code path in numbers: lavapipe given ampere's target description (arch
-    sm_80, no cooperative matrices, 48 KiB of shared memory) with its subgroup operations off
-    (lavapipe's subgroups are 8 wide; ampere's reductions are written for 32) configures every
-    contraction exactly as the ampere build does, the SIMT matmul pipeline's tiles included;
-    only ampere's subgroup-reduction dispatches differ. That build runs, and its fp16 image
-    matches diffusers fp32."""
+    """The GPU presets' fp16 code path in numbers: lavapipe given ampere's (arch sm_80, 48 KiB
+    of shared memory) or rdna3's target description, no cooperative matrices either way, with
+    its subgroup operations off (lavapipe's subgroups are 8 wide; the presets' reductions are
+    written for 32 or 64) configures every contraction exactly as that preset's build does, the
+    SIMT matmul pipeline's tiles included; only subgroup-reduction dispatches differ. That
+    build runs, and its fp16 image matches diffusers fp32."""
     dump = tmp_path / "dump"
-    art = tmp_path / "lavapipe-as-ampere"
-    specs = specs_copy(tmp_path, "lavapipe", dump, None, target_of="ampere")
+    art = tmp_path / f"lavapipe-as-{arch}"
+    specs = specs_copy(tmp_path, "lavapipe", dump, None, target_of=arch)
     compile_tiny(tiny_model, "lavapipe", specs, art, TEXT_TO_IMAGE)
     ours_cfg = configurations(dump)
-    theirs = configurations(ampere_build[1])
+    theirs = configurations(request.getfixturevalue(f"{arch}_build")[1])
     assert set(theirs) <= set(ours_cfg)
     promoted = 0
     for name, text in theirs.items():
@@ -290,7 +232,7 @@ def test_lavapipe_runs_nvidias_simt_choices_and_matches_diffusers(
             continue
         assert choices(ours_cfg[name]) == choices(text), name
         promoted += pipeline(text) == "MatmulPromoteVectorize"
-    assert promoted >= 10  # the contractions NVIDIA runs on the SIMT matmul pipeline
+    assert promoted >= 10  # the contractions the GPU runs on the SIMT matmul pipeline
 
     ours, ref = image_and_reference(tiny_model, art, tmp_path)
     assert psnr(ours, ref) >= 30.0

@@ -73,6 +73,7 @@ def config(text: str) -> tuple[str, str, str]:
 
 
 SIMT_GPUS = (
+    "rdna3",
     "rdna2",
     "gcn",
     "ampere",

@@ -1,0 +1,91 @@
+"""Why no vulkan-spirv preset uses cooperative matrices, and a check that none does.
+
+iree 3.13's SPIR-V cooperative-matrix pipeline writes every f16 x f16 -> f32 contraction (all
+of the UNet's: torch-mlir accumulates f16 products in f32) as f16 loads converted to f32 A and
+B matrices and an f32 x f32 multiply-add. Vulkan allows only the matrix types a device lists;
+no AMD or NVIDIA driver lists f32 A/B at 16x16x16 (RADV: f16, bf16, 8-bit integers; NVIDIA's
+driver refused every such shader on an H200), and the Khronos validation layer rejects them
+(VUID-RuntimeSpirv-OpTypeCooperativeMatrixKHR-10163; compile/NOTES.md, where Mesa 26's lavapipe,
+which has cooperative matrices, also computes some of them wrong). So rdna3, the last preset
+with iree's WMMA list, is SIMT like the others. The first test pins iree's behaviour: when a
+later iree writes f16 operand matrices it fails, and rdna3's cooperative matrices are worth
+another look.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+from spirv_matrices import census  # noqa: E402
+
+# The UNet's linears after export: f16 activations times transposed f16 weights, f32 sums.
+MATMUL = """
+func.func @linear(%a: tensor<128x64xf16>, %b: tensor<256x64xf16>) -> tensor<128x256xf32> {
+  %zero = arith.constant 0.0 : f32
+  %e = tensor.empty() : tensor<128x256xf32>
+  %f = linalg.fill ins(%zero : f32) outs(%e : tensor<128x256xf32>) -> tensor<128x256xf32>
+  %r = linalg.generic {indexing_maps = [affine_map<(m, n, k) -> (m, k)>,
+      affine_map<(m, n, k) -> (n, k)>, affine_map<(m, n, k) -> (m, n)>],
+      iterator_types = ["parallel", "parallel", "reduction"]}
+      ins(%a, %b : tensor<128x64xf16>, tensor<256x64xf16>) outs(%f : tensor<128x256xf32>) {
+  ^bb0(%x: f16, %y: f16, %acc: f32):
+    %xf = arith.extf %x : f16 to f32
+    %yf = arith.extf %y : f16 to f32
+    %p = arith.mulf %xf, %yf : f32
+    %s = arith.addf %acc, %p : f32
+    linalg.yield %s : f32
+  } -> tensor<128x256xf32>
+  return %r : tensor<128x256xf32>
+}
+"""
+
+
+def spirv_of(flags: list[str], tmp_path: Path) -> list[Path]:
+    """The SPIR-V modules iree-compile writes for MATMUL with flags."""
+    from sdiree.compile.iree_compile import iree_compile_tool
+
+    src = tmp_path / "linear.mlir"
+    src.write_text(MATMUL)
+    out = tmp_path / "bin"
+    cmd = [
+        iree_compile_tool(), str(src), *flags, f"--iree-hal-dump-executable-binaries-to={out}",
+        "-o", str(tmp_path / "linear.vmfb"),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    spv = sorted(out.glob("*.spv"))
+    assert spv, "iree-compile wrote no SPIR-V"
+    return spv
+
+
+def test_iree_writes_f32_operand_cooperative_matrices(tmp_path):
+    counts = census(spirv_of(["--iree-hal-target-device=vulkan", "--iree-vulkan-target=rdna3"],
+                             tmp_path))  # fmt: skip
+    assert counts, "iree's rdna3 target no longer uses cooperative matrices for this matmul"
+    operands = {(ctype, use) for ctype, _, _, use in counts if use in ("A", "B")}
+    assert ("f32", "A") in operands and ("f32", "B") in operands, (
+        f"iree now declares {sorted(operands)} operand matrices: if only f16 ones, rdna3 (and "
+        "NVIDIA's Vulkan presets) may use cooperative matrices again (specs/README.md)"
+    )
+
+
+def vulkan_fp16_presets():
+    from sdiree.runtime.targets import load_registry
+
+    vk = load_registry().target("vulkan-spirv")
+    return [name for name in vk.arches if "fp16" not in vk.refusals(name)]
+
+
+@pytest.mark.parametrize("arch", vulkan_fp16_presets())
+def test_no_vulkan_preset_declares_cooperative_matrices(arch, tmp_path):
+    from sdiree.runtime.targets import load_registry
+
+    preset = load_registry().target("vulkan-spirv").arch(arch)
+    assert not preset.device.get("cooperative_matrix"), arch
+    assert not census(spirv_of(list(preset.flags), tmp_path)), arch
