@@ -2,11 +2,10 @@
 
 iree 3.13's SPIR-V cooperative-matrix pipeline writes every f16 x f16 -> f32 contraction (all
 of the UNet's: torch-mlir accumulates f16 products in f32) as f16 loads converted to f32 A and
-B matrices and an f32 x f32 multiply-add. Vulkan allows only the matrix types a device lists;
-no AMD or NVIDIA driver lists f32 A/B at 16x16x16 (RADV: f16, bf16, 8-bit integers; NVIDIA's
-driver refused every such shader on an H200), and the Khronos validation layer rejects them
-(VUID-RuntimeSpirv-OpTypeCooperativeMatrixKHR-10163; compile/NOTES.md, where Mesa 26's lavapipe,
-which has cooperative matrices, also computes some of them wrong). So rdna3, the last preset
+B matrices and an f32 x f32 multiply-add. Vulkan allows only the matrix types a device lists:
+RADV lists f16, bf16 and 8-bit integer operands for RDNA3, no f32 ones, NVIDIA's driver refused
+every such shader on an H200, and the Khronos validation layer rejects them
+(VUID-RuntimeSpirv-OpTypeCooperativeMatrixKHR-10163; compile/NOTES.md). So rdna3, the last preset
 with iree's WMMA list, is SIMT like the others. The first test pins iree's behaviour: when a
 later iree writes f16 operand matrices it fails, and rdna3's cooperative matrices are worth
 another look.
