@@ -438,7 +438,18 @@ class Builder:
         }
         if self.plan.target.encode_parameters and self.plan.target.encoder_driver:
             key["encoder"] = [self.plan.target.encoder_driver, *self.plan.target.encoder_flags]
+        if self.f16_ops:
+            key["f16_matrix_operands"] = 1  # compile/spirv_f16_operands.py's rewrite
         return key
+
+    @property
+    def f16_ops(self) -> bool:
+        """The arch's `f16_matrix_operands` (compile/spirv_f16_operands.py)."""
+        return self.plan.target.arch(self.plan.arch).f16_matrix_operands
+
+    def said_rewritten(self, submodule: str, count: int) -> None:
+        if count:
+            self.r.say(f"{submodule}: {count} cooperative-matrix shaders take their f16 matrices")
 
     def compile_key(self, submodule: str, mlir: Path, params_shas: list[str]) -> str:
         return self.compile_keys(submodule, mlir, params_shas)[0]
@@ -498,7 +509,9 @@ class Builder:
                 self.r.reused("compile", submodule, CACHED)
             else:
                 with self.r.stage("compile", submodule), with_spec(mlir, spec, out) as src:
-                    compile_mlir(src, vmfb, flags, log)
+                    self.said_rewritten(
+                        submodule, compile_mlir(src, vmfb, flags, log, self.f16_ops)
+                    )
                 self.modules.store(mkey, {"vmfb": vmfb})
         else:
             entry["encoded"] = self.compile_encoded(
@@ -570,7 +583,8 @@ class Builder:
                 has_encoder = "encoder" in cached
             else:
                 with self.r.stage("compile", submodule), with_spec(mlir, spec, out) as src:
-                    compile_mlir(src, vmfb, [*flags, *encoder_flags(enc_mlir, scope)], log)
+                    both = [*flags, *encoder_flags(enc_mlir, scope)]
+                    self.said_rewritten(submodule, compile_mlir(src, vmfb, both, log, self.f16_ops))
                 has_encoder = enc_mlir.is_file()
                 if not has_encoder:
                     self.modules.store(mkey, {"vmfb": vmfb})

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -99,27 +100,52 @@ def _run(cmd: list[str]) -> tuple[int, str]:
     return proc.returncode, err + out
 
 
-def compile_mlir(mlir: Path, vmfb: Path, flags: list[str], log_path: Path) -> None:
+def compile_mlir(
+    mlir: Path, vmfb: Path, flags: list[str], log_path: Path, f16_matrix_operands: bool = False
+) -> int:
     """Compile mlir to vmfb; on failure write the compiler output (if any) to log_path and raise.
-    A log left by an earlier failure is removed once the module compiles."""
+    A log left by an earlier failure is removed once the module compiles. f16_matrix_operands:
+    compile, rewrite the SPIR-V cooperative-matrix shaders to multiply their f16 matrices
+    (compile/spirv_f16_operands.py) and compile again with those substituted. Returns how many
+    executables were rewritten."""
+    rewritten = 0
     with atomic_path(vmfb) as tmp:
-        code, output = _run([iree_compile_tool(), str(mlir), "-o", str(tmp), *flags])
-        if code < 0:
-            raise UserError(_killed_message(mlir, -code, output, log_path))
-        if code != 0 or not tmp.exists():
-            first = next(
-                (ln for ln in output.splitlines() if "error:" in ln),
-                output.strip().splitlines()[0] if output.strip() else "",
-            )
-            if not output.strip():
-                raise UserError(
-                    f"iree-compile failed for {mlir.name} (exit status {code}) without any output"
+        if not f16_matrix_operands:
+            _compile_once(mlir, tmp, flags, log_path)
+        else:
+            from .spirv_f16_operands import rewrite_dump
+
+            with tempfile.TemporaryDirectory(prefix=".spirv-", dir=vmfb.parent) as work:
+                dump, subst = Path(work, "dump"), Path(work, "subst")
+                _compile_once(
+                    mlir, tmp, [*flags, f"--iree-hal-dump-executable-binaries-to={dump}"], log_path
                 )
-            atomic_write_bytes(log_path, output.encode())
-            raise UserError(
-                f"iree-compile failed for {mlir.name}: {first.strip()[:300]} (full log: {log_path})"
-            )
+                rewritten = rewrite_dump(dump, subst)
+                if rewritten:
+                    tmp.unlink()
+                    sub = f"--iree-hal-substitute-executable-objects-from={subst}"
+                    _compile_once(mlir, tmp, [*flags, sub], log_path)
     log_path.unlink(missing_ok=True)
+    return rewritten
+
+
+def _compile_once(mlir: Path, out: Path, flags: list[str], log_path: Path) -> None:
+    code, output = _run([iree_compile_tool(), str(mlir), "-o", str(out), *flags])
+    if code < 0:
+        raise UserError(_killed_message(mlir, -code, output, log_path))
+    if code != 0 or not out.exists():
+        first = next(
+            (ln for ln in output.splitlines() if "error:" in ln),
+            output.strip().splitlines()[0] if output.strip() else "",
+        )
+        if not output.strip():
+            raise UserError(
+                f"iree-compile failed for {mlir.name} (exit status {code}) without any output"
+            )
+        atomic_write_bytes(log_path, output.encode())
+        raise UserError(
+            f"iree-compile failed for {mlir.name}: {first.strip()[:300]} (full log: {log_path})"
+        )
 
 
 def _killed_message(mlir: Path, signum: int, output: str, log_path: Path) -> str:

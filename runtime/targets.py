@@ -35,6 +35,9 @@ class Arch:
     tuning_specs: dict[str, str] = field(default_factory=dict)
     # export choices for this chip, over the target's and its submodules' (a null drops one)
     export: dict = field(default_factory=dict)
+    # vulkan: rewrite iree's cooperative-matrix shaders to multiply f16 matrices, not f32 copies
+    # (compile/spirv_f16_operands.py); no preset sets it yet: untried on a GPU
+    f16_matrix_operands: bool = False
 
     def features(self) -> frozenset[str]:
         if self.cpu_features == "host":
@@ -311,6 +314,7 @@ ARCH_FIELDS = {
     "device": "dict",
     "tuning_specs": "str_map",
     "export": "dict",
+    "f16_matrix_operands": "bool",
 }
 # What a vulkan preset's modules need from a device (runtime/device_select.py checks them):
 # vendor_ids ("0x1002", for --arch auto), subgroup_sizes (each must be one the device can run
@@ -600,6 +604,7 @@ def load_registry(specs_dir: Path | None = None) -> Registry:
                 device=dict(spec.get("device", {})),
                 tuning_specs=dict(spec.get("tuning_specs", {})),
                 export=dict(spec.get("export", {})),
+                f16_matrix_operands=bool(spec.get("f16_matrix_operands", False)),
             )
             for a, spec in t["arches"].items()
         }

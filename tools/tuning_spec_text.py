@@ -1,5 +1,5 @@
-"""Text shared by the GPU tuning-spec generators (tools/make_vulkan_simt_spec.py,
-tools/make_rocm_tuning_spec.py, tools/cuda_conv_sweep.py): the
+"""Text shared by the GPU tuning-spec generators (tools/make_vulkan_tuning_spec.py,
+tools/make_vulkan_simt_spec.py, tools/make_rocm_tuning_spec.py, tools/cuda_conv_sweep.py): the
 action that applies a matcher's configuration and marks the op (the marker is what tests find in
 iree-compile's configuration dump), the heads of matchers of f16 contractions and channels-last
 f16 convolutions, and the entry point that tries the matchers in order, the first that matches

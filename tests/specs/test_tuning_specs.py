@@ -31,19 +31,12 @@ SIMT_REL = "tuning/vulkan_simt_attention.mlir"
 PROMPT = "a lighthouse at dusk, oil painting"
 
 
-def specs_copy(
-    tmp_path: Path,
-    arch: str,
-    dump: Path | None,
-    specs: dict | None,
-    target_of: str | None = None,
-) -> Path:
-    """The shipped specs with arch's tuning specs set to `specs` (None: as shipped) and, with
-    dump, its compiles writing their executables' configurations (iree-compile's own record of
-    what applied) to dump. target_of: arch takes that preset's target description, its
-    subgroup operations off, its export choices and (with specs None) its tuning specs
+def specs_copy(tmp_path: Path, arch: str, dump: Path, target_of: str | None = None) -> Path:
+    """The shipped specs with arch's compiles writing their executables' configurations
+    (iree-compile's own record of what applied) to dump. target_of: arch takes that preset's
+    target description, its subgroup operations off, its export choices and its tuning specs
     (lavapipe running another preset's code path)."""
-    folder = tmp_path / f"specs-{arch}-{specs is not None and bool(specs)}-{target_of}"
+    folder = tmp_path / f"specs-{arch}-{target_of}"
     shutil.copytree(ROOT / "specs", folder)
     data = json.loads((folder / "targets.json").read_text())
     presets = data["targets"]["vulkan-spirv"]["arches"]
@@ -54,10 +47,7 @@ def specs_copy(
         preset["flags"] = [target.replace("subgroup = shuffle|arithmetic", "subgroup = none")]
         preset["export"] = presets[target_of].get("export", {})
         preset["tuning_specs"] = presets[target_of].get("tuning_specs", {})
-    if specs is not None:
-        preset["tuning_specs"] = specs
-    if dump is not None:
-        preset["flags"] = [*preset["flags"], f"--iree-hal-dump-executable-configurations-to={dump}"]
+    preset["flags"] = [*preset["flags"], f"--iree-hal-dump-executable-configurations-to={dump}"]
     (folder / "targets.json").write_text(json.dumps(data))
     return folder
 
@@ -126,7 +116,7 @@ def choices(text: str) -> tuple:
 def gpu_build(model: Path, tmp: Path, arch: str):
     """The tiny model's UNet and VAE decoder compiled for arch fp16: (artifact, dump)."""
     dump, art = tmp / "dump", tmp / arch
-    compile_tiny(model, arch, specs_copy(tmp, arch, dump, None), art)
+    compile_tiny(model, arch, specs_copy(tmp, arch, dump), art)
     return art, dump
 
 
@@ -220,7 +210,7 @@ def test_lavapipe_runs_the_gpu_presets_choices_and_matches_diffusers(
     build runs, and its fp16 image matches diffusers fp32."""
     dump = tmp_path / "dump"
     art = tmp_path / f"lavapipe-as-{arch}"
-    specs = specs_copy(tmp_path, "lavapipe", dump, None, target_of=arch)
+    specs = specs_copy(tmp_path, "lavapipe", dump, target_of=arch)
     compile_tiny(tiny_model, "lavapipe", specs, art, TEXT_TO_IMAGE)
     ours_cfg = configurations(dump)
     theirs = configurations(request.getfixturevalue(f"{arch}_build")[1])

@@ -88,3 +88,49 @@ def test_no_vulkan_preset_declares_cooperative_matrices(arch, tmp_path):
     preset = load_registry().target("vulkan-spirv").arch(arch)
     assert not preset.device.get("cooperative_matrix"), arch
     assert not census(spirv_of(list(preset.flags), tmp_path)), arch
+
+
+def test_fallback_spec_is_its_generators_output():
+    """The spec iree 3.13 needs to compile a UNet on cooperative matrices at all (the
+    transposed-output and attention contractions to SIMT), kept for the f16-operand route."""
+    from make_vulkan_tuning_spec import CLASSES, SPEC, render
+
+    assert SPEC.read_text() == render()
+    for name in CLASSES:
+        assert f"@match_{name}_64_k32" in SPEC.read_text()
+
+
+def test_f16_matrix_operands_rewrites_every_cooperative_matrix_shader(tiny_model, tmp_path):
+    """The route back to tensor cores, as a GPU session would try it: rdna3 given iree's own
+    WMMA target, the fallback spec and `f16_matrix_operands`. The tiny UNet compiles; as many
+    of its shaders take their f16 matrices as iree configured on cooperative matrices."""
+    import io
+    import json
+    import re
+    import shutil
+
+    from sdiree.compile.driver import CompileOptions, compile_model
+    from sdiree.compile.report import Reporter
+
+    specs, dump = tmp_path / "specs", tmp_path / "dump"
+    shutil.copytree(ROOT / "specs", specs)
+    data = json.loads((specs / "targets.json").read_text())
+    preset = data["targets"]["vulkan-spirv"]["arches"]["rdna3"]
+    preset["flags"] = [
+        "--iree-hal-target-device=vulkan", "--iree-vulkan-target=rdna3",
+        f"--iree-hal-dump-executable-configurations-to={dump}",
+    ]  # fmt: skip
+    preset["tuning_specs"] = {"*": "tuning/vulkan_coopmatrix_fallback.mlir"}
+    preset["f16_matrix_operands"] = True
+    (specs / "targets.json").write_text(json.dumps(data))
+    said = io.StringIO()
+    opts = CompileOptions(
+        tiny_model, "vulkan-spirv", arch="rdna3", dtype="fp16", out=tmp_path / "art",
+        specs_dir=specs, submodules=("unet",),
+    )  # fmt: skip
+    compile_model(opts, Reporter(stream=said))
+    coop = [f for f in dump.glob("*.mlir") if "CooperativeMatrixVectorize" in f.read_text()]
+    found = re.search(
+        r"unet: (\d+) cooperative-matrix shaders take their f16 matrices", said.getvalue()
+    )
+    assert coop and found and int(found.group(1)) == len(coop), said.getvalue()[-2000:]

@@ -1,4 +1,4 @@
-"""tools/spirv_f16_operands.py: on SPIR-V words written here by hand, and on iree's own rdna3
+"""compile/spirv_f16_operands.py: on SPIR-V words written here by hand, and on iree's own rdna3
 shaders, substituted back into a module by iree-compile."""
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from sdiree.compile.spirv_f16_operands import executable_name, main, rewrite
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "tests" / "specs"))
-from spirv_f16_operands import executable_name, main, rewrite  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests" / "tools"))
 from spirv_matrices import census, cooperative_matrix_types  # noqa: E402
 from test_spirv_matrices import inst, module  # noqa: E402
 

@@ -6,15 +6,14 @@ no GPU lists, so no preset uses cooperative matrices (specs/README.md). The mult
 the f16 matrices themselves with the f32 accumulator (f16 A and B, f32 C: what RDNA3 and NVIDIA
 list at 16x16x16), and the result is the same: f16 to f32 is exact, and so is the product of two
 f16 values in f32. This points each multiply-add at the f16 matrix its operand was converted
-from, then drops the conversions and matrix types nothing uses any more. Untested on a GPU (none
-lent since it was written); lavapipe lists only 8x8x8 matrices, so it cannot judge these 16x16
-ones (compile/NOTES.md). To try it, compile twice:
+from, then drops the conversions and matrix types nothing uses any more.
 
-    iree-compile ... --iree-hal-dump-executable-binaries-to=DUMP
-    python tools/spirv_f16_operands.py DUMP SUBST      # SUBST/<executable>.spv, rewritten only
-    iree-compile ... --iree-hal-substitute-executable-objects-from=SUBST
-
-(iree names each dumped binary <module>_<executable>_<export>.spv and substitutes by executable.)
+An arch preset's `f16_matrix_operands` has compile_mlir (compile/iree_compile.py) compile
+twice: once dumping the executables' SPIR-V (`--iree-hal-dump-executable-binaries-to`), then,
+with the rewritten ones, again (`--iree-hal-substitute-executable-objects-from`, which takes
+<executable>.spv; iree dumps <module>_<executable>_<export>.spv). No preset sets it: it is
+untried on a GPU, and lavapipe, which lists only 8x8x8 matrices, cannot judge these 16x16 ones
+(compile/NOTES.md). By hand: `python -m sdiree.compile.spirv_f16_operands DUMP SUBST`.
 """
 
 from __future__ import annotations
@@ -119,6 +118,19 @@ def executable_name(dump_name: str) -> str:
     return m.group(2)
 
 
+def rewrite_dump(dump: Path, out: Path) -> int:
+    """Rewrite each module in dump that has something to rewrite into out/<executable>.spv;
+    how many were."""
+    count = 0
+    for f in sorted(dump.glob("*.spv")):
+        done = rewrite(f.read_bytes())
+        if done:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{executable_name(f.name)}.spv").write_bytes(done[0])
+            count += 1
+    return count
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dump", type=Path, help="--iree-hal-dump-executable-binaries-to folder")
@@ -126,14 +138,8 @@ def main(argv=None) -> int:
         "out", type=Path, help="folder for --iree-hal-substitute-executable-objects-from"
     )
     a = ap.parse_args(argv)
-    a.out.mkdir(parents=True, exist_ok=True)
-    total = 0
-    for f in sorted(a.dump.glob("*.spv")):
-        done = rewrite(f.read_bytes())
-        if done:
-            (a.out / f"{executable_name(f.name)}.spv").write_bytes(done[0])
-            total += 1
-    print(f"rewrote {total} of {len(list(a.dump.glob('*.spv')))} modules into {a.out}")
+    count = rewrite_dump(a.dump, a.out)
+    print(f"rewrote {count} of {len(list(a.dump.glob('*.spv')))} modules into {a.out}")
     return 0
 
 

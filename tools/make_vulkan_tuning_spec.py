@@ -1,0 +1,153 @@
+"""Write specs/tuning/vulkan_coopmatrix_fallback.mlir, the vulkan-spirv tuning spec.
+
+iree 3.13's cooperative-matrix (tensor core) codegen for Vulkan picks its pipeline for every
+f16 x f16 -> f32 contraction whose sizes fit an intrinsic, then fails on some of them ("no GPU
+subgroup mma compute ops generated"):
+- contractions whose result is stored transposed, N before M (the 1x1 convolutions and the
+  transformers' proj_in/proj_out of SD 1.x, read channels-last and written NCHW);
+- attention's batch matmuls: Q.K^T with K transposed (the UNet) or not (the VAE), whose scale
+  is fused after them, at every size where it picked them, and P.V where N (the head dim, 40 in
+  SD 1.x) is a multiple of 8 but not of 16 (NVIDIA's 16x8x16 intrinsic). P.V and the VAE's Q.K^T
+  have the same indexing maps, so both go to SIMT.
+The spec sends those contractions to the SIMT matmul pipeline (MatmulPromoteVectorize) and
+leaves every other contraction (the linear layers, the 3x3 convolutions) on cooperative
+matrices. Each class is matched by its indexing maps and element types,
+never by its sizes; the M and N tile is the largest of 64/16/8 that divides both (8x8 results
+per thread at 64), the K step the largest of 32/16/8 that divides K (checked by matchers,
+apart: attention's head dim of 40 is K of Q.K^T, which took 4-thread workgroups while the K
+step was tied to the tile), so any image size and model family gets a valid config. P.V
+(`attention_batch_matmul`) whose M and N do not both take the 64 tile takes the tall tile of
+the NVIDIA presets' spec instead (tools/make_vulkan_simt_spec.py: 256 queries by 8 head-dim
+columns on 64 threads where a head dim of 40 took [8, 8] on 4 threads).
+
+Run: python tools/make_vulkan_tuning_spec.py [OUT]; tests/specs/test_tuning_specs.py checks that
+the shipped file is this script's output.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from make_vulkan_simt_spec import pv_matchers as simt_pv_matchers
+from tuning_spec_text import (
+    APPLY_OP_CONFIG,
+    contraction_head,
+    entrypoint,
+    write_spec,
+    yield_config,
+)
+
+SPEC = (
+    Path(__file__).resolve().parent.parent / "specs" / "tuning" / "vulkan_coopmatrix_fallback.mlir"
+)
+
+# name: (indexing maps, role of each loop dim, {role: (operand, dim)} for the divisibility checks).
+# Roles: b batch (tile 1), m, n, k, o an outer M dim (tile 1).
+CLASSES = {
+    "nt_out_2d_kmajor": (
+        ["(d0, d1, d2) -> (d2, d1)", "(d0, d1, d2) -> (d0, d2)", "(d0, d1, d2) -> (d0, d1)"],
+        "nmk",
+        {"m": (0, 1), "k": (0, 0), "n": (1, 0)},
+    ),
+    "nt_out_2d": (
+        ["(d0, d1, d2) -> (d1, d2)", "(d0, d1, d2) -> (d0, d2)", "(d0, d1, d2) -> (d0, d1)"],
+        "nmk",
+        {"m": (0, 0), "k": (0, 1), "n": (1, 0)},
+    ),
+    "nt_out_batch_kmajor": (
+        [
+            "(d0, d1, d2, d3) -> (d0, d3, d2)",
+            "(d0, d1, d2, d3) -> (d1, d3)",
+            "(d0, d1, d2, d3) -> (d0, d1, d2)",
+        ],
+        "bnmk",
+        {"m": (0, 2), "k": (0, 1), "n": (1, 0)},
+    ),
+    "nt_out_batch": (
+        [
+            "(d0, d1, d2, d3) -> (d0, d2, d3)",
+            "(d0, d1, d2, d3) -> (d1, d3)",
+            "(d0, d1, d2, d3) -> (d0, d1, d2)",
+        ],
+        "bnmk",
+        {"m": (0, 1), "k": (0, 2), "n": (1, 0)},
+    ),
+    "nt_out_2m_kmajor": (
+        [
+            "(d0, d1, d2, d3) -> (d3, d1, d2)",
+            "(d0, d1, d2, d3) -> (d0, d3)",
+            "(d0, d1, d2, d3) -> (d0, d1, d2)",
+        ],
+        "nomk",
+        {"m": (0, 2), "k": (0, 0), "n": (1, 0)},
+    ),
+    "attention_qkt": (
+        [
+            "(d0, d1, d2, d3) -> (d0, d1, d3)",
+            "(d0, d1, d2, d3) -> (d0, d2, d3)",
+            "(d0, d1, d2, d3) -> (d0, d1, d2)",
+        ],
+        "bmnk",
+        {"m": (0, 1), "k": (0, 2), "n": (1, 1)},
+    ),
+    "attention_batch_matmul": (
+        [
+            "(d0, d1, d2, d3) -> (d0, d1, d3)",
+            "(d0, d1, d2, d3) -> (d0, d3, d2)",
+            "(d0, d1, d2, d3) -> (d0, d1, d2)",
+        ],
+        "bmnk",
+        {"m": (0, 1), "k": (0, 2), "n": (1, 2)},
+    ),
+}
+
+# (tile of M and N, threads per M and N): 8x8 results per thread at 64; the K step, the largest
+# of K_STEPS that divides K.
+TIERS = [(64, 8), (16, 4), (8, 2)]
+K_STEPS = (32, 16, 8)
+
+
+def _config(roles: str, tile: int, ktile: int, threads: int) -> str:
+    sizes = [{"b": 1, "o": 1, "m": tile, "n": tile, "k": ktile}[r] for r in roles]
+    return (
+        "#iree_codegen.compilation_info<\n"
+        f"    lowering_config = #iree_codegen.lowering_config<tile_sizes = [{sizes}]>,\n"
+        "    translation_info = #iree_codegen.translation_info<"
+        "pipeline = #iree_gpu.spirv_pipeline<MatmulPromoteVectorize>\n"
+        f"      workgroup_size = [{threads}, {threads}, 1],"
+        " {pipeline_depth = 1 : i64, store_stage = 1 : i64}>>"
+    )
+
+
+def render() -> str:
+    out = [
+        "// Generated by tools/make_vulkan_tuning_spec.py; edit that script, not this file.",
+        "// vulkan-spirv: the contractions iree 3.13's cooperative-matrix codegen fails on go to",
+        "// the SIMT matmul pipeline; every other op keeps the compiler's own choice.",
+        "module @sdiree_vulkan_coopmatrix_fallback attributes {transform.with_named_sequence,",
+        "    iree_codegen.tuning_spec_with_default_entrypoint} {",
+        "",
+        *APPLY_OP_CONFIG,
+    ]
+    pairs = []
+    for cname, (maps, roles, where) in CLASSES.items():
+        for tile, threads in TIERS:
+            for ktile in (k for k in K_STEPS if k <= max(tile, 16)):
+                name = f"match_{cname}_{tile}_k{ktile}"
+                checks = [(*where["m"], tile), (*where["n"], tile), (*where["k"], ktile)]
+                out += contraction_head(name, maps, checks)
+                out += yield_config(_config(roles, tile, ktile, threads))
+                pairs.append((name, "apply_op_config"))
+            if cname == "attention_batch_matmul" and tile == 64:
+                out += simt_pv_matchers(f"match_{cname}_tall", pairs)
+    out += entrypoint(pairs)
+    return "\n".join(out)
+
+
+def main(argv: list[str]) -> None:
+    write_spec(argv, SPEC, render)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
