@@ -10,17 +10,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from sdiree.runtime.cli import INSTALL_HINT
 from sdiree.runtime.errors import UserError
-from sdiree.runtime.fileutil import atomic_path, atomic_write_bytes
+from sdiree.runtime.fileutil import atomic_path, atomic_write_bytes, temp_path_for
 
 PR_SET_PDEATHSIG = 1
 
@@ -115,8 +115,10 @@ def compile_mlir(
         else:
             from .spirv_f16_operands import rewrite_dump
 
-            with tempfile.TemporaryDirectory(prefix=".spirv-", dir=vmfb.parent) as work:
-                dump, subst = Path(work, "dump"), Path(work, "subst")
+            # a killed compile's folder is swept as its temp files are (remove_stale_temps)
+            work = temp_path_for(vmfb.with_name(f"{vmfb.stem}.spirv"))
+            try:
+                dump, subst = work / "dump", work / "subst"
                 _compile_once(
                     mlir, tmp, [*flags, f"--iree-hal-dump-executable-binaries-to={dump}"], log_path
                 )
@@ -125,6 +127,8 @@ def compile_mlir(
                     tmp.unlink()
                     sub = f"--iree-hal-substitute-executable-objects-from={subst}"
                     _compile_once(mlir, tmp, [*flags, sub], log_path)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
     log_path.unlink(missing_ok=True)
     return rewritten
 

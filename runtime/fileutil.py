@@ -128,16 +128,23 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_stale_temps(directory: Path, include_own: bool = False) -> list[Path]:
-    """Delete temp files left by killed sdiree processes (their pid is gone) in directory; with
-    include_own also those named with this process's pid (a caller that is writing none: in a
-    container a new process often gets the pid of an old one)."""
+    """Delete temp files (and temp folders: compile/iree_compile.py's SPIR-V rewrite) left by
+    killed sdiree processes (their pid is gone) in directory; with include_own also those named
+    with this process's pid (a caller that is writing none: in a container a new process often
+    gets the pid of an old one)."""
     removed = []
     if not Path(directory).is_dir():
         return removed
     for p in Path(directory).iterdir():
         m = _TMP_RE.match(p.name)
         pid = int(m.group(1)) if m else 0
-        if m and p.is_file() and ((include_own and pid == os.getpid()) or not pid_alive(pid)):
+        if not m or not ((include_own and pid == os.getpid()) or not pid_alive(pid)):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.is_file():
             p.unlink(missing_ok=True)  # another process may be cleaning the same directory
-            removed.append(p)
+        else:
+            continue
+        removed.append(p)
     return removed

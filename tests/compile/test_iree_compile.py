@@ -153,3 +153,19 @@ def test_missing_compiler_is_one_error(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="cannot run iree-compile .*sdiree\\[compile\\]"):
         compile_mlir(tmp_path / "m.mlir", tmp_path / "m.vmfb", [], tmp_path / "m.log")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.mlir"]
+
+
+def test_stale_temp_folders_are_swept_too(tmp_path):
+    """The SPIR-V rewrite's working folder (compile_mlir with f16_matrix_operands) is named as a
+    temp file is; a killed compile's is removed with them, a live process's is not."""
+    from sdiree.runtime.fileutil import temp_path_for
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".unet.spirv.{dead.pid}.tmp.spirv"
+    (stale / "dump").mkdir(parents=True)
+    (stale / "dump" / "x.spv").write_bytes(b"\0" * 8)
+    live = temp_path_for(tmp_path / "vae.spirv")
+    live.mkdir()
+    assert remove_stale_temps(tmp_path) == [stale]
+    assert not stale.exists() and live.is_dir()
