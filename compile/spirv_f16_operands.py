@@ -30,7 +30,8 @@ _COOP_TYPE, _COOP_LOAD, _COOP_MULADD = 4456, 4457, 4459
 _LITERAL_OPS = {3, 4, 5, 6, 7, 8, 10, 11, 14, 15, 16, 17, 21, 22, 43, 71, 72, 330}
 
 
-def _instructions(blob: bytes) -> tuple[list[int], list[list[int]]]:
+def instructions(blob: bytes) -> tuple[list[int], list[list[int]]]:
+    """(the 5 header words, [[opcode, *operands] per instruction]) of a SPIR-V module."""
     words = list(struct.unpack(f"<{len(blob) // 4}I", blob[: len(blob) // 4 * 4]))
     if not words or words[0] != 0x07230203:
         raise ValueError("not a SPIR-V module (no magic number)")
@@ -65,7 +66,7 @@ def _ids(ins: list[int]) -> list[int]:
 def rewrite(blob: bytes) -> tuple[bytes, int] | None:
     """(the rewritten module, how many operands now take the f16 matrix), or None if no
     multiply-add has an operand converted from an f16 matrix of its use."""
-    header, insts = _instructions(blob)
+    header, insts = instructions(blob)
     widths = {i[1]: i[2] for i in insts if i[0] == _TYPE_FLOAT}
     constants = {i[2]: i[3] for i in insts if i[0] == _CONSTANT}
     # matrix type id -> (float width, rows, columns, use)

@@ -14,11 +14,11 @@ NVIDIA driver lists (compile/NOTES.md). This reads what a module declares, witho
 from __future__ import annotations
 
 import argparse
-import struct
 from collections import Counter
 from pathlib import Path
 
-MAGIC = 0x07230203
+from sdiree.compile.spirv_f16_operands import instructions
+
 _OP_TYPE_INT, _OP_TYPE_FLOAT, _OP_CONSTANT = 21, 22, 43
 _OP_TYPE_COOPERATIVE_MATRIX_KHR = 4456
 USES = ("A", "B", "accumulator")
@@ -26,18 +26,11 @@ USES = ("A", "B", "accumulator")
 
 def cooperative_matrix_types(blob: bytes) -> set[tuple[str, int, int, str]]:
     """{(component type, rows, columns, use)} of the module's OpTypeCooperativeMatrixKHR."""
-    words = struct.unpack(f"<{len(blob) // 4}I", blob[: len(blob) // 4 * 4])
-    if not words or words[0] != MAGIC:
-        raise ValueError("not a SPIR-V module (no magic number)")
+    _, insts = instructions(blob)
     scalars: dict[int, str] = {}
     constants: dict[int, int] = {}
     found = set()
-    i = 5  # the header: magic, version, generator, bound, schema
-    while i < len(words):
-        count, opcode = words[i] >> 16, words[i] & 0xFFFF
-        if count == 0:
-            raise ValueError(f"malformed SPIR-V: a zero-length instruction at word {i}")
-        ops = words[i + 1 : i + count]
+    for opcode, *ops in insts:
         if opcode == _OP_TYPE_FLOAT:
             scalars[ops[0]] = f"f{ops[1]}"
         elif opcode == _OP_TYPE_INT:
@@ -46,9 +39,9 @@ def cooperative_matrix_types(blob: bytes) -> set[tuple[str, int, int, str]]:
             constants[ops[1]] = ops[2]
         elif opcode == _OP_TYPE_COOPERATIVE_MATRIX_KHR:
             # result id, component type, scope, rows, columns, use (ids of constants)
-            use = constants[ops[5]]
-            found.add((scalars[ops[1]], constants[ops[3]], constants[ops[4]], USES[use]))
-        i += count
+            found.add(
+                (scalars[ops[1]], constants[ops[3]], constants[ops[4]], USES[constants[ops[5]]])
+            )
     return found
 
 
