@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import device_pollers
 from .errors import UserError
 
 # Drivers sdiree can run on, per manifest driver name.
@@ -125,7 +126,10 @@ def create_device(info: DeviceInfo, fresh: bool = False):
         return rt.get_device(info.driver)
     key = (info.driver, info.device_id)
     if fresh or key not in _GPU_DEVICES:
+        before = device_pollers.threads()
         _GPU_DEVICES[key] = rt.get_driver(info.driver).create_device(info.device_id)
+        if info.driver == "vulkan" and info.is_cpu_emulation:  # lavapipe: runtime/device_pollers.py
+            device_pollers.register(_GPU_DEVICES[key], before)
     return _GPU_DEVICES[key]
 
 

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from . import residency
+from . import device_pollers, residency
 from .device import CPU_DRIVERS, DeviceInfo, create_device, forget_device, to_host
 from .errors import UserError
 from .host_memory import keep_freed_host_memory, release_freed_heap
@@ -68,10 +68,15 @@ class Session:
     def _open(self, submodules: Iterable[str], fresh: bool = False) -> None:
         """Take the device (a new one if fresh), then one context holding the parameters and
         modules on it."""
+        self.device = create_device(self.device_info, fresh)
+        with device_pollers.in_use(self.device):
+            self._load(submodules)
+
+    def _load(self, submodules: tuple[str, ...]) -> None:
+        """The context on self.device: the parameters' and modules' (uploads run on it)."""
         import iree.runtime as rt
 
         manifest, device_info = self.manifest, self.device_info
-        self.device = create_device(device_info, fresh)
         self.instance = rt.VmInstance()
         hal = rt.create_hal_module(self.instance, self.device, debug_sink=self.debug_sink)
         modules = [hal]
@@ -125,10 +130,11 @@ class Session:
                     f"{submodule}.{function} input '{d.name}' must be {d.dtype}{list(d.shape)}, "
                     f"got {a.dtype}{list(a.shape)}"
                 )
-        results = self._functions[(submodule, function)](*[np.ascontiguousarray(a) for a in args])
-        if not isinstance(results, (list, tuple)):
-            results = [results]
-        return [to_host(self.device, r) for r in results]
+        with device_pollers.in_use(self.device):
+            results = self._functions[(submodule, function)](*map(np.ascontiguousarray, args))
+            if not isinstance(results, (list, tuple)):
+                results = [results]
+            return [to_host(self.device, r) for r in results]
 
 
 def map_module(instance, path: Path):

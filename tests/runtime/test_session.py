@@ -203,3 +203,30 @@ def test_vulkan_sessions_share_one_device_until_a_fresh_one_is_asked(compiled, m
     want = a.call("text_encoder", "encode", *args)
     for got, ref in zip(d.call("text_encoder", "encode", *args), want, strict=True):
         np.testing.assert_array_equal(got, ref)
+
+
+def test_a_vulkan_call_runs_with_the_devices_pollers_at_normal_priority(compiled, monkeypatch):
+    """runtime/device_pollers.py: lavapipe's polling completion threads, idle between calls, are
+    at the normal policy while a session's call runs on the device (and while it loads)."""
+    import os
+
+    from sdiree.runtime import device_pollers
+    from sdiree.runtime.device import list_devices
+
+    manifest = load_manifest(compiled.get("vulkan-spirv", "lavapipe", "fp32"))
+    info = next(d for d in list_devices("vulkan") if d.is_cpu_emulation)
+    s = session.Session(manifest, info, ["text_encoder"], fresh_device=True)
+    pollers = device_pollers._BY_DEVICE[id(s.device)]
+    assert pollers.tids
+    seen = []
+    invoke = s._functions[("text_encoder", "encode")]
+
+    def watched(*args):
+        seen.append({os.sched_getscheduler(t) for t in pollers.tids})
+        return invoke(*args)
+
+    s._functions[("text_encoder", "encode")] = watched
+    args = [np.zeros(x.shape, x.dtype) for x in s.decl("text_encoder", "encode").inputs]
+    s.call("text_encoder", "encode", *args)
+    assert seen == [{os.SCHED_OTHER}]
+    assert {os.sched_getscheduler(t) for t in pollers.tids} == {os.SCHED_IDLE}

@@ -65,6 +65,7 @@ def run_on_lavapipe(vmfb: bytes, function: str, *args: np.ndarray) -> np.ndarray
     import iree.runtime as rt
 
     from sdiree.runtime.device import create_device, list_devices, to_host
+    from sdiree.runtime.device_pollers import in_use
 
     lavapipe = next(d for d in list_devices("vulkan") if d.is_cpu_emulation)
     device = create_device(lavapipe)
@@ -72,7 +73,8 @@ def run_on_lavapipe(vmfb: bytes, function: str, *args: np.ndarray) -> np.ndarray
     module = rt.VmModule.copy_buffer(instance, vmfb)
     context = rt.VmContext(instance, modules=[rt.create_hal_module(instance, device), module])
     fn = rt.FunctionInvoker(context, device, module.lookup_function(function))
-    return to_host(device, fn(*args))
+    with in_use(device):
+        return to_host(device, fn(*args))
 
 
 def rel_error(arch: str, k: int) -> float:
