@@ -81,6 +81,12 @@ class Pollers:
                 os.sched_setscheduler(tid, policy, os.sched_param(0))
             except ProcessLookupError:  # the thread ended with its device
                 self.tids.discard(tid)
+            except OSError:  # refused (a sandbox): leave it as it is from now on
+                if idle:
+                    self.tids.discard(tid)
+                else:  # cannot come back: lower no other, let the rest run normally
+                    self.tids.clear()
+                    return
 
     @contextlib.contextmanager
     def in_use(self):
@@ -107,7 +113,9 @@ def register(device, before: set[int]) -> Pollers | None:
     tids = spinning(threads() - before)
     if not tids:
         return None
-    _BY_DEVICE[id(device)] = pollers = Pollers(tids)
+    pollers = Pollers(tids)
+    if pollers.tids:
+        _BY_DEVICE[id(device)] = pollers
     return pollers
 
 

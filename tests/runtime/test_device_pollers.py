@@ -56,3 +56,18 @@ def test_restoring_needs_root_or_rlimit_nice(monkeypatch):
     assert not device_pollers.can_restore()
     monkeypatch.setattr(resource, "getrlimit", lambda r: (20, 20))
     assert device_pollers.can_restore()
+
+
+def test_a_refused_policy_change_is_no_error(monkeypatch):
+    """A sandbox that refuses sched_setscheduler: the device is created and used as iree made it."""
+
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    device = create_device(lavapipe(), fresh=True)
+    assert id(device) not in device_pollers._BY_DEVICE
+    with device_pollers.in_use(device):
+        pass
+    pollers = device_pollers.Pollers({os.getpid()})  # refused going idle: dropped
+    assert not pollers.tids
