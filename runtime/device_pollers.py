@@ -84,7 +84,7 @@ class Pollers:
             except OSError:  # refused (a sandbox): leave it as it is from now on
                 if idle:
                     self.tids.discard(tid)
-                else:  # cannot come back: lower no other, let the rest run normally
+                else:  # cannot come back: stop managing them
                     self.tids.clear()
                     return
 
@@ -106,17 +106,12 @@ class Pollers:
 _BY_DEVICE: dict[int, Pollers] = {}  # id(device) -> its pollers
 
 
-def register(device, before: set[int]) -> Pollers | None:
+def register(device, before: set[int]) -> None:
     """After creating device (before: the threads there were), find its pollers and idle them."""
-    if not can_restore():
-        return None
-    tids = spinning(threads() - before)
-    if not tids:
-        return None
-    pollers = Pollers(tids)
-    if pollers.tids:
-        _BY_DEVICE[id(device)] = pollers
-    return pollers
+    if can_restore():
+        pollers = Pollers(spinning(threads() - before))
+        if pollers.tids:  # some spin, and going idle was allowed
+            _BY_DEVICE[id(device)] = pollers
 
 
 @contextlib.contextmanager
