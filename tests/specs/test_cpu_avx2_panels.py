@@ -10,7 +10,6 @@ is for: tools/PERFORMANCE.md (thirty-third and thirty-fourth sessions).
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import shutil
 import sys
@@ -19,6 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from configured import dump_configurations
 
 from sdiree.runtime.targets import Arch, load_registry
 
@@ -26,17 +26,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SPEC_REL = "tuning/cpu_avx2_linear_panels.mlir"
 TILE = "vector_common_parallel = [6, 1, 16, 0]"
 SUBMODULES = ("text_encoder", "unet", "vae_decoder", "vae_encoder")
-
-
-def _dump_specs(tmp_path: Path, dump: Path) -> Path:
-    """The shipped specs, the `x86-64-v3` preset also dumping each executable's configuration."""
-    specs = tmp_path / "specs"
-    shutil.copytree(ROOT / "specs", specs)
-    data = json.loads((specs / "targets.json").read_text())
-    preset = data["targets"]["cpu"]["arches"]["x86-64-v3"]
-    preset["flags"] = [*preset["flags"], f"--iree-hal-dump-executable-configurations-to={dump}"]
-    (specs / "targets.json").write_text(json.dumps(data))
-    return specs
 
 
 def test_if_cpu_lacks_gives_panels_to_fp32_unets_on_cpus_without_avx512():
@@ -86,12 +75,12 @@ def _perturbed_copy(model: Path, out: Path) -> Path:
     return out
 
 
-def test_avx2_unet_with_panels_matches_diffusers(tiny_model, tmp_path):
+def test_avx2_unet_with_panels_matches_diffusers(compiled, tiny_model, tmp_path):
+    """The suite's x86-64-v3 fp32 artifact (built with the shipped specs), its UNet's
+    configurations read back from its compile (tests/configured.py)."""
     pytest.importorskip("iree.compiler")
     from safetensors.numpy import load_file
 
-    from sdiree.compile.driver import CompileOptions, compile_model
-    from sdiree.compile.report import Reporter
     from sdiree.compile.verify import TOLERANCE, _torch_reference, check_parity, make_inputs
     from sdiree.runtime.device_select import choose_device
     from sdiree.runtime.manifest import load_manifest
@@ -100,15 +89,10 @@ def test_avx2_unet_with_panels_matches_diffusers(tiny_model, tmp_path):
     from sdiree.runtime.weights.derived import PANELS_PARAM
     from sdiree.runtime.weights.sources import build_overrides
 
-    dump = tmp_path / "dump"
-    specs = _dump_specs(tmp_path, dump)
-
-    art = tmp_path / "art"
-    opts = CompileOptions(tiny_model, "cpu", arch="x86-64-v3", dtype="fp32", out=art,
-                          specs_dir=specs, submodules=("unet",))  # fmt: skip
-    compile_model(opts, Reporter(stream=io.StringIO()))
+    art = compiled.get("cpu", "x86-64-v3", "fp32")
     manifest = load_manifest(art)
     assert list(manifest.data["submodules"]["unet"]["tuning_specs"]) == [SPEC_REL]
+    dump = dump_configurations(art, "unet", tmp_path / "dump")
     texts = [f.read_text() for f in dump.glob("*.mlir")]
     panels = [t for t in texts if TILE in t]
     assert panels and not any("mmt4d" in t for t in panels)

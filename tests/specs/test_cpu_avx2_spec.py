@@ -16,18 +16,16 @@ import io
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from configured import configurations
 
 from sdiree.runtime.targets import Arch, load_registry
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tuning_specs import configurations  # noqa: E402
 
 SPEC_REL = "tuning/cpu_avx2_winograd_untiled.mlir"
 SPEC = ROOT / "specs" / SPEC_REL

@@ -21,8 +21,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
+from configured import configurations  # noqa: E402
 from make_cpu_tuning_spec import SPEC, generate  # noqa: E402
-from test_tuning_specs import MARKER, configurations  # noqa: E402
+from test_tuning_specs import MARKER  # noqa: E402
 
 SPEC_REL = "tuning/cpu_bf16_packs.mlir"
 PANELS_SPEC_REL = "tuning/cpu_avx2_linear_panels.mlir"

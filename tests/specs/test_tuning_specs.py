@@ -24,6 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
+from configured import configurations, dump_configurations  # noqa: E402
 from parity import diffusers_images, psnr  # noqa: E402
 
 MARKER = "__tuning_spec_applied__"
@@ -67,16 +68,6 @@ def compile_tiny(model: Path, arch: str, specs: Path, out: Path, submodules=TUNE
         submodules=submodules,
     )  # fmt: skip
     return compile_model(opts, Reporter(stream=io.StringIO()))
-
-
-def configurations(dump: Path) -> dict[str, str]:
-    """{dispatch function name: its configured source} from a configuration dump."""
-    out = {}
-    for f in dump.glob("*.mlir"):
-        text = f.read_text()
-        for name in re.findall(r"func\.func @(\S+?)\(", text):
-            out[name] = text
-    return out
 
 
 def pipeline(text: str) -> str:
@@ -162,23 +153,9 @@ def test_nvidia_simt_spec_takes_exactly_attentions_pv(ampere_build, tmp_path):
     the tiled SIMT pipeline; the same UNet configured without the spec configures them
     otherwise (SD 1.5's on SubgroupReduce: tests/specs/test_vulkan_simt_spec.py) and every
     other dispatch exactly as with it."""
-    import os
-    import subprocess
-
-    from sdiree.compile.iree_compile import iree_compile_tool
-
     art, dump = ampere_build
     configs = configurations(dump)
-    sub = json.loads((art / "manifest.json").read_text())["submodules"]["unet"]
-    (mlir,) = Path(os.environ["SDIREE_CACHE"]).rglob(sub["mlir"])
-    plain = tmp_path / "plain"
-    flags = [f for f in sub["flags"] if "dump-executable-configurations" not in f]
-    cmd = [
-        iree_compile_tool(), str(mlir), *flags, "--compile-to=executable-configurations",
-        f"--iree-hal-dump-executable-configurations-to={plain}", "-o", str(tmp_path / "x.mlir"),
-    ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+    plain = dump_configurations(art, "unet", tmp_path / "plain", specs=False)
     default = {n: t for n, t in configurations(plain).items() if n.startswith("denoise")}
     unet = {n: t for n, t in configs.items() if n.startswith("denoise")}
     assert set(default) == set(unet)
