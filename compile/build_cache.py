@@ -33,6 +33,8 @@ from sdiree.runtime.fileutil import (
     sha256_file,
 )
 
+CACHED = "compiled before for the same MLIR, flags and specs"  # why a module was reused
+
 
 class BuildCache:
     def __init__(self, root: Path, kind: str):

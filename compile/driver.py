@@ -1,12 +1,14 @@
 """`sdiree compile`: model folder → per-submodule MLIR, parameter archives, vmfbs, manifest.
 
-Stages: load (model folder and its family, configs, content hash), export (one MLIR per submodule, shared by
-every target with the same export choices), parameters (one archive per scope and dtype, shared
-by every target/arch/shape), compile (one vmfb per submodule), then the archives the runtime
-loads are linked into the artifact, the runtime's tokenizer and scheduler files copied, and the
-manifest written last. Every stage is keyed by its inputs: unchanged inputs are reused and said
-to be, a changed flag or spec recompiles only what it touches. What is decided before any
-file is written (options, checks, arch/dtype/size, where files go) is compile/plan.py's.
+Stages: load (model folder and its family, configs, content hash), export (one MLIR per
+submodule, shared by every target with the same export choices), parameters (one archive per
+scope and dtype, shared by every target/arch/shape), compile (one vmfb per submodule; where the
+target encodes its parameters, with its encoder and the encoder's output:
+compile/encoded_stage.py), then the archives the runtime loads are linked into the artifact, the
+runtime's tokenizer and scheduler files copied, and the manifest written last. Every stage is
+keyed by its inputs: unchanged inputs are reused and said to be, a changed flag or spec
+recompiles only what it touches. What is decided before any file is written (options, checks,
+arch/dtype/size, where files go) is compile/plan.py's.
 
 Where files go. The artifact directory (`--out`) is self-contained: it holds every file the
 runtime reads, the shared parameter archives included as hardlinks (no extra disk; a copy where
@@ -51,12 +53,12 @@ from sdiree.runtime.fileutil import (
     remove_stale_temps,
     sha256_file,
     sha256_json,
-    temp_path_for,
 )
 from sdiree.runtime.manifest import HASH_CACHE, MANIFEST_NAME, check_files, load_manifest
 from sdiree.runtime.weights.sources import file_sha256
 
-from .build_cache import BuildCache
+from .build_cache import CACHED, BuildCache
+from .encoded_stage import add_layout, compile_encoded, encoder_intact, layout_tried
 from .exporters import DERIVED_REVISION, EXPORTER_REVISION, ensure_kernels, kernels_for
 from .manifest_writer import build_manifest
 from .plan import (  # noqa: F401  (re-exported: callers import the compile API from here)
@@ -74,7 +76,6 @@ from .report import Reporter
 
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
 BUILD_STATE = ".build-state.json"
-CACHED = "compiled before for the same MLIR, flags and specs"
 # Config entries that say where, by which version or in which dtype a model's files were
 # written, not what it computes: the export casts the (placeholder) weights to its own dtype
 CONFIG_METADATA = (
@@ -495,7 +496,7 @@ class Builder:
             prev.get("compile_key") == key
             and self.intact(vmfb, prev.get("vmfb_sha256"))
             and (not prev.get("encoded") or self.intact(encoded, prev["encoded"]["sha256"]))
-            and _encoder_intact(self, prev.get("encoded"))
+            and encoder_intact(self, prev.get("encoded"))
         ):
             self.r.reused("compile", submodule)
             # built before every layout was learned, or stopped while learning it
@@ -514,8 +515,8 @@ class Builder:
                     )
                 self.modules.store(mkey, {"vmfb": vmfb})
         else:
-            entry["encoded"] = self.compile_encoded(
-                submodule, mlir, mkey, spec, archives, flags, log
+            entry["encoded"] = compile_encoded(
+                self, submodule, mlir, mkey, spec, archives, flags, log
             )
         entry["vmfb_sha256"] = sha256_file(vmfb)
         state[submodule] = entry
@@ -527,174 +528,13 @@ class Builder:
         """Learn the layout of entry's encoded archive unless it was learned (or tried), and
         record it in the build state."""
         enc = entry.get("encoded")
-        if enc and not _layout_tried(enc, self.plan.out):
-            self.add_layout(submodule, enc, archives)
+        if enc and not layout_tried(enc, self.plan.out):
+            add_layout(self, submodule, enc, archives)
             atomic_write_json(self.plan.out / BUILD_STATE, state)
-
-    @property
-    def encoder_driver(self) -> str:
-        """The IREE driver the parameter encoder runs on: the target's own unless it names
-        another (GPU targets: the host CPU)."""
-        return self.plan.target.encoder_driver or self.plan.target.driver
-
-    def encoder_flags(self, flags: list[str]) -> list[str]:
-        """The encoder module's iree-compile flags: the module's, or the target's encoder
-        flags where its encoder runs elsewhere."""
-        return list(self.plan.target.encoder_flags) if self.plan.target.encoder_driver else flags
 
     def intact(self, path: Path, digest: str | None) -> bool:
         """path, a file in the artifact, exists and has sha256 digest."""
         return path.is_file() and cached_sha256(path, path.name, self.verified) == digest
-
-    def compile_encoded(
-        self,
-        submodule: str,
-        mlir: Path,
-        mkey: str,
-        spec,
-        archives: list[Path],
-        flags: list[str],
-        log: Path,
-    ) -> dict | None:
-        """Compile submodule with its weight transforms split into an encoder module, run that
-        once, and keep its output beside the vmfb (`<submodule>.encoded.irpa`). The encoder is
-        kept too (`<submodule>.encoder.vmfb`): the runtime runs it on other weights (`sdiree run
-        --weights/--lora`). Returns the archive's manifest entry, or None when there was nothing
-        to precompute."""
-        from sdiree.runtime.weights.archive import Archive
-
-        from .encoder_chain import compile_encoder
-        from .exporters import scope_for
-        from .iree_compile import compile_mlir
-        from .param_encoder import encoder_flags, loads_with, run_encoder
-        from .tuning_embed import with_spec
-
-        out = self.plan.out
-        vmfb = out / f"{submodule}.vmfb"
-        encoded = out / f"{submodule}.encoded.irpa"
-        encoder = out / f"{submodule}.encoder.vmfb"
-        scope = f"{submodule}_encoded"
-        enc_mlir = temp_path_for(out / f"{submodule}.encoder.mlir")
-        enc_vmfb = temp_path_for(encoder)
-        try:
-            cached = self.modules.fetch(mkey, {"vmfb": vmfb, "encoder": enc_vmfb})
-            if cached is not None:
-                self.r.reused("compile", submodule, CACHED)
-                has_encoder = "encoder" in cached
-            else:
-                with self.r.stage("compile", submodule), with_spec(mlir, spec, out) as src:
-                    both = [*flags, *encoder_flags(enc_mlir, scope)]
-                    self.said_rewritten(submodule, compile_mlir(src, vmfb, both, log, self.f16_ops))
-                has_encoder = enc_mlir.is_file()
-                if not has_encoder:
-                    self.modules.store(mkey, {"vmfb": vmfb})
-            if not has_encoder:
-                encoded.unlink(missing_ok=True)
-                encoder.unlink(missing_ok=True)
-                return None
-            with self.r.stage("encode", submodule):
-                if cached is None:  # compiled just now: its encoder too
-                    compile_encoder(
-                        enc_mlir, enc_vmfb, self.encoder_flags(flags), log, compile_mlir
-                    )
-                    self.modules.store(mkey, {"vmfb": vmfb, "encoder": enc_vmfb})
-                count = run_encoder(
-                    enc_vmfb,
-                    [(scope_for(submodule), a) for a in archives],
-                    scope,
-                    encoded,
-                    self.encoder_driver,
-                )
-            if count:
-                enc_vmfb.replace(encoder)
-        finally:
-            enc_mlir.unlink(missing_ok=True)
-            enc_vmfb.unlink(missing_ok=True)
-        if count == 0:
-            encoded.unlink(missing_ok=True)
-            encoder.unlink(missing_ok=True)
-            return None
-        # Weights derived at export usually reach the module only through the encoder; then the
-        # artifact does not need their archive at run time.
-        needed = [(scope_for(submodule), archives[0]), (scope, encoded)]
-        # (loaded on the target's device: without derived archives there is nothing to ask,
-        # and a GPU target's device need not be here)
-        needs_derived = len(archives) > 1 and not loads_with(vmfb, needed, self.plan.target.driver)
-        # What the encoder reads besides the model's weights: the runtime recomputes these from
-        # replaced weights (their archive is not in the artifact).
-        derived = {}
-        for archive in archives[1:]:
-            for key, e in Archive(archive).entries.items():
-                derived[key] = {"shape": list(e.shape), "dtype": e.dtype.name}
-        entry = {
-            "path": encoded.name,
-            "scope": scope,
-            "sha256": sha256_file(encoded),
-            "needs_derived": needs_derived,
-            "encoder": {"vmfb": encoder.name, "sha256": sha256_file(encoder), "derived": derived},
-        }
-        if self.plan.target.encoder_driver:
-            entry["encoder"]["driver"] = self.plan.target.encoder_driver
-        return entry
-
-    def add_layout(self, submodule: str, enc: dict, archives: list[Path]) -> None:
-        """Learn the layout of the encoded entry enc into it (see learn_layout): what a LoRA
-        re-packs in numpy (weights/repack.py), and what the artifact's pruned archives are
-        read back by (prune.py)."""
-        out = self.plan.out
-        layout = out / f"{submodule}.layout.json"
-        encoder = enc["encoder"]
-        if self.export_options(submodule).get("amx_operands") == "bf16x3":
-            encoder["layout_tried"] = True
-            # each weight's lo part is computed from it (w - bf16(w), rounded), not laid out,
-            # and the raw weight cannot be read back from its two parts
-            self.r.say(
-                f"{submodule}: its encoded weights are two bf16 parts each (amx_operands "
-                "bf16x3), not a layout of them: its original archive is kept, and a LoRA on "
-                "it runs the encoder"
-            )
-            return
-        with self.r.stage("layout", submodule):
-            self.learn_layout(
-                submodule, out / encoder["vmfb"], archives, encoder["derived"],
-                out / enc["path"], enc["scope"], layout,
-            )  # fmt: skip
-        encoder["layout_tried"] = True
-        if layout.is_file():
-            encoder.update(layout=layout.name, layout_sha256=sha256_file(layout))
-
-    def learn_layout(self, submodule, encoder, archives, derived, encoded, scope, layout):
-        """Learn how encoder packs each weight (weights/layout.py) and save it at layout, so a
-        LoRA is re-packed in numpy from its first use; nothing saved when it cannot be learned
-        (the runtime then runs the encoder)."""
-        from sdiree.runtime.weights.encoder import driver_device
-        from sdiree.runtime.weights.layout import BUDGET_ENV, budget_s, narrow_dtype
-        from sdiree.runtime.weights.repack import learn_layout
-
-        from .exporters import scope_for
-
-        learned = learn_layout(
-            encoder,
-            archives[:1],
-            {k: (v["shape"], v["dtype"]) for k, v in derived.items()},
-            encoded,
-            scope_for(submodule),
-            scope,
-            driver_device(self.encoder_driver),
-            temp_path_for(layout.with_suffix(".irpa")),
-            derived_archives=archives[1:],
-            narrow=narrow_dtype(self.plan.dtype),
-        )
-        if learned is None:
-            layout.unlink(missing_ok=True)
-        else:
-            if learned.gave_up:
-                self.r.say(
-                    f"{submodule}: its encoder's layout was not learned within "
-                    f"${BUDGET_ENV} ({budget_s():.0f} s): saved as incomplete, so its original "
-                    "archive is not pruned and a LoRA on it runs the encoder"
-                )
-            learned.save(layout)
 
 
 def _replace_vae(model, path: Path) -> None:
@@ -707,17 +547,6 @@ def _replace_vae(model, path: Path) -> None:
     targets = {k: (tuple(v.shape), np.dtype(np.float32)) for k, v in model.state_dict().items()}
     given = match_component("vae", read_vae_file(path), targets, f"--vae {path}")
     model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in given.items()})
-
-
-def _encoder_intact(b: Builder, encoded: dict | None) -> bool:
-    """The kept encoder of an encoded build is in place (builds before it was kept: rebuild)."""
-    if not encoded:
-        return True
-    enc = encoded.get("encoder")
-    if not (enc and b.intact(b.plan.out / enc["vmfb"], enc["sha256"])):
-        return False
-    layout = enc.get("layout")  # builds before layouts were learned at compile: none
-    return layout is None or b.intact(b.plan.out / layout, enc["layout_sha256"])
 
 
 def compile_model(opts: CompileOptions, reporter: Reporter | None = None) -> Path:
@@ -825,18 +654,6 @@ def _remove_unlisted_archives(out: Path, files: dict) -> None:
             p.unlink(missing_ok=True)
 
 
-def _layout_tried(encoded: dict, out: Path) -> bool:
-    """Whether the encoder's layout was learned for good (Layout.settled: one an older learner
-    left incomplete, a bf16 artifact's, is learned again), or tried where none can be."""
-    from sdiree.runtime.weights.layout import Layout
-
-    enc = encoded["encoder"]
-    if not enc.get("layout"):
-        return bool(enc.get("layout_tried"))
-    learned = Layout.load(out / enc["layout"])
-    return learned is not None and learned.settled
-
-
 def _up_to_date(b: Builder, state: dict) -> bool:
     """True when the manifest exists and every stage's key and file still match."""
     plan = b.plan
@@ -855,9 +672,9 @@ def _up_to_date(b: Builder, state: dict) -> bool:
         if state.get(sub, {}).get("compile_key") != b.compile_key(sub, mlir, b.params_digests(sub)):
             return False
         encoded = state.get(sub, {}).get("encoded")
-        if not _encoder_intact(b, encoded):
+        if not encoder_intact(b, encoded):
             return False
-        if encoded and not _layout_tried(encoded, plan.out):
+        if encoded and not layout_tried(encoded, plan.out):
             return False  # learned (and the originals pruned) by a rebuild
     if plan.target.encode_parameters and "pruned" not in state:
         return False  # built before the original archives were pruned

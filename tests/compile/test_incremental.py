@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from sdiree.compile.driver import Builder, CompileOptions, compile_model
+from sdiree.compile import encoded_stage
+from sdiree.compile.driver import CompileOptions, compile_model
 from sdiree.compile.report import Reporter
 from sdiree.runtime.manifest import check_files, load_manifest
 from sdiree.runtime.targets import default_specs_dir
@@ -165,20 +166,20 @@ def test_a_compile_stopped_while_learning_a_layout_resumes_there(compiled, tmp_p
 
     compiled.get("cpu", "host", "fp32")  # the shared exports and archives exist
     out = tmp_path / "cpu-stopped"
-    learn = Builder.learn_layout
+    learn = encoded_stage.learn_layout
     # on an AMX CPU the UNet learns no layout (bf16x3 parts): the text encoder's is stopped
     stopped = "text_encoder" if host_fp32_splits() else "unet"
 
-    def stop_there(self, submodule, *args):
+    def stop_there(b, submodule, *args):
         if submodule == stopped:
             raise _Stopped
-        return learn(self, submodule, *args)
+        return learn(b, submodule, *args)
 
-    monkeypatch.setattr(Builder, "learn_layout", stop_there)
+    monkeypatch.setattr(encoded_stage, "learn_layout", stop_there)
     with pytest.raises(_Stopped):
         recompile(compiled.model, out)
     assert not (out / "manifest.json").exists()
-    monkeypatch.setattr(Builder, "learn_layout", learn)
+    monkeypatch.setattr(encoded_stage, "learn_layout", learn)
     ran, _ = recompile(compiled.model, out)
     assert ("layout", stopped) in ran
     assert not {("compile", stopped), ("encode", stopped)} & ran
@@ -203,7 +204,7 @@ def test_sdxl_recompile_is_a_noop_and_a_flag_change_recompiles_only_its_submodul
 def test_a_layout_an_older_learner_left_incomplete_is_learned_again(tmp_path):
     """A recompile keeps a complete layout and one this learner tried, and learns again one an
     older learner left incomplete (every bf16 artifact's before the learner read bf16 packs)."""
-    from sdiree.compile.driver import _layout_tried
+    from sdiree.compile.encoded_stage import layout_tried
     from sdiree.runtime.weights.layout import LEARNER_VERSION, Layout
 
     Layout(complete=True, learner=1).save(tmp_path / "done.json")
@@ -211,7 +212,7 @@ def test_a_layout_an_older_learner_left_incomplete_is_learned_again(tmp_path):
     Layout(complete=False, unverified={"w"}).save(tmp_path / "given-up.json")
 
     def tried(**encoder) -> bool:
-        return _layout_tried({"encoder": encoder}, tmp_path)
+        return layout_tried({"encoder": encoder}, tmp_path)
 
     assert tried(layout_tried=True, layout="done.json")  # an older learner's, complete
     assert not tried(layout_tried=True, layout="partial.json")  # an older learner's, incomplete
