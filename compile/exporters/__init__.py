@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sdiree.runtime.targets import UNET_ONLY_EXPORT
+from sdiree.runtime.registry_schema import UNET_ONLY_EXPORT
 
 # Bump when an exporter traces a different graph for the same model and choices (it is part of
 # the MLIR cache key). 2: Winograd weights computed at export, as parameters of their own;

@@ -245,7 +245,7 @@ def test_export_choices_match_the_exporters():
     from sdiree.compile.exporters.vae_channels_last import LAYOUTS
     from sdiree.compile.exporters.winograd import MATMUL_KERNELS, WINOGRAD_OUTPUTS
     from sdiree.compile.exporters.winograd_fused import WINOGRAD_KERNELS
-    from sdiree.runtime.targets import EXPORT_CHOICES
+    from sdiree.runtime.registry_schema import EXPORT_CHOICES
 
     want = {
         "attention": ATTENTIONS, "conv": CONV_CHOICES, "linear": LINEAR_CHOICES,
