@@ -18,6 +18,17 @@ def lavapipe():
     return found[0]
 
 
+@pytest.fixture
+def managed_afterwards():
+    """For a test that leaves the process's lavapipe device unmanaged (pollers spinning at the
+    normal policy): afterwards, once its monkeypatches are undone (ask for this fixture
+    first), a new managed device replaces it. The process keeps its device for every later
+    test, and an unmanaged one spun two cores' worth through the rest of the suite."""
+    yield
+    device = create_device(lavapipe(), fresh=True)
+    assert id(device) in device_pollers._BY_DEVICE
+
+
 def policies(tids) -> set[int]:
     return {os.sched_getscheduler(t) for t in tids}
 
@@ -38,7 +49,7 @@ def test_idle_lavapipe_pollers_are_sched_idle_and_normal_in_use():
     assert policies(spinners) == {os.SCHED_IDLE}
 
 
-def test_a_process_that_could_not_restore_them_leaves_them_alone(monkeypatch):
+def test_a_process_that_could_not_restore_them_leaves_them_alone(managed_afterwards, monkeypatch):
     monkeypatch.setattr(device_pollers, "can_restore", lambda: False)
     before = device_pollers.threads()
     device = create_device(lavapipe(), fresh=True)
@@ -58,7 +69,7 @@ def test_restoring_needs_root_or_rlimit_nice(monkeypatch):
     assert device_pollers.can_restore()
 
 
-def test_a_refused_policy_change_is_no_error(monkeypatch):
+def test_a_refused_policy_change_is_no_error(managed_afterwards, monkeypatch):
     """A sandbox that refuses sched_setscheduler: the device is created and used as iree made it."""
 
     def refuse(*args):
