@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from llvm_cpu import host_fp32_splits, laid_out_cpu_fp32  # noqa: E402
+from llvm_cpu import avx2_cpu_fp32, laid_out_cpu_fp32  # noqa: E402
 
 # The tests share the 2 cores with the background compile: torch's OpenMP workers then spin at
 # their barriers waiting for a core the compile holds (a tiny img2img parity test took 4.7 s
@@ -116,8 +116,11 @@ AHEAD = (
     ("cuda", "sm_80", "fp16"),
     ("cpu", "host", "bf16"),
     # on an AMX CPU, the cpu fp32 artifact the prune, layout and re-pack tests take instead
-    # of host's (llvm_cpu.laid_out_cpu_fp32)
-    *((laid_out_cpu_fp32(),) if host_fp32_splits() else ()),
+    # of host's (llvm_cpu.laid_out_cpu_fp32); on a CPU with AVX-512, the AVX2 panels test's
+    # (llvm_cpu.avx2_cpu_fp32: x86-64-v3's, the same artifact on an AMX CPU)
+    *dict.fromkeys(
+        k for k in (laid_out_cpu_fp32(), avx2_cpu_fp32()) if k != ("cpu", "host", "fp32")
+    ),
 )
 # The tiny SDXL's artifacts, compiled in the background (after the SD 1.x ones) when a test
 # that needs them is collected: cpu fp32 first, which the parity tests start with.

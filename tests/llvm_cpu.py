@@ -78,6 +78,12 @@ def host_fp32_splits() -> bool:
     return cpu.export_for("unet", "fp32", "host").get("amx_operands") == "bf16x3"
 
 
+def avx2_cpu_fp32() -> tuple[str, str, str]:
+    """The cpu fp32 artifact compiled for a CPU without AVX-512, its UNet's linears weight
+    panels (host_unet_takes_panels): `host`'s on such a CPU, else `x86-64-v3`'s."""
+    return ("cpu", "host", "fp32") if host_unet_takes_panels() else ("cpu", "x86-64-v3", "fp32")
+
+
 def laid_out_cpu_fp32() -> tuple[str, str, str]:
     """The cpu fp32 artifact whose encoded weights are layouts of its archives (what the prune,
     layout and LoRA re-pack tests need): `host`'s, or on an AMX CPU (host_fp32_splits)

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from configured import dump_configurations
+from llvm_cpu import avx2_cpu_fp32
 
 from sdiree.runtime.targets import Arch, load_registry
 
@@ -76,8 +77,9 @@ def _perturbed_copy(model: Path, out: Path) -> Path:
 
 
 def test_avx2_unet_with_panels_matches_diffusers(compiled, tiny_model, tmp_path):
-    """The suite's x86-64-v3 fp32 artifact (built with the shipped specs), its UNet's
-    configurations read back from its compile (tests/configured.py)."""
+    """The suite's fp32 artifact for a CPU without AVX-512 (llvm_cpu.avx2_cpu_fp32: x86-64-v3's,
+    or host's on such a CPU), its UNet's configurations read back from its compile
+    (tests/configured.py)."""
     pytest.importorskip("iree.compiler")
     from safetensors.numpy import load_file
 
@@ -89,7 +91,7 @@ def test_avx2_unet_with_panels_matches_diffusers(compiled, tiny_model, tmp_path)
     from sdiree.runtime.weights.derived import PANELS_PARAM
     from sdiree.runtime.weights.sources import build_overrides
 
-    art = compiled.get("cpu", "x86-64-v3", "fp32")
+    art = compiled.get(*avx2_cpu_fp32())
     manifest = load_manifest(art)
     assert list(manifest.data["submodules"]["unet"]["tuning_specs"]) == [SPEC_REL]
     dump = dump_configurations(art, "unet", tmp_path / "dump")
