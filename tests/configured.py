@@ -1,8 +1,8 @@
 """What iree-compile configured each dispatch of an artifact's submodule with (its pipeline,
 tiles and any tuning spec's marker), read from an artifact already built: the submodule's
 exported MLIR (in $SDIREE_CACHE) is compiled again with the manifest's flags and tuning specs,
-only to `--compile-to=executable-configurations`, which stops before code generation (~15 s
-for the tiny UNet where its full cpu compile took ~100 s in the suite). So a test can share an
+only to `--compile-to=executable-configurations`, which stops before code generation (11 s
+for the tiny x86-64-v3 UNet alone, where its full compile took 115 s inside the suite). So a test can share an
 artifact the suite builds anyway instead of building its own with a dump flag."""
 
 from __future__ import annotations
@@ -16,13 +16,10 @@ from pathlib import Path
 DUMP_FLAG = "--iree-hal-dump-executable-configurations-to="
 
 
-def dump_configurations(
-    art: Path, submodule: str, dump: Path, drop: tuple[str, ...] = (), specs: bool = True
-) -> Path:
+def dump_configurations(art: Path, submodule: str, dump: Path, specs: bool = True) -> Path:
     """Dump the configurations of art's submodule into dump (one .mlir per executable), as
-    its compile configured them: flags starting with an entry of drop are left out, and with
-    specs=False the tuning spec a target takes in the module (compile/tuning_embed.py), the
-    same module configured without them. Returns dump."""
+    its compile configured them; with specs=False without the tuning spec a target takes in
+    the module (compile/tuning_embed.py). Returns dump."""
     from sdiree.compile.iree_compile import iree_compile_tool
     from sdiree.compile.tuning_embed import with_spec
     from sdiree.runtime.fileutil import sha256_file
@@ -30,7 +27,7 @@ def dump_configurations(
 
     sub = json.loads((art / "manifest.json").read_text())["submodules"][submodule]
     mlir = next(Path(os.environ["SDIREE_CACHE"]).rglob(sub["mlir"]))
-    flags = [f for f in sub["flags"] if not f.startswith((DUMP_FLAG, *drop))]
+    flags = [f for f in sub["flags"] if not f.startswith(DUMP_FLAG)]
     # a spec no flag names was attached to the module (compile/tuning_embed.py)
     registry = load_registry()
     attached = [rel for rel in sub["tuning_specs"] if not any(rel in f for f in sub["flags"])]
