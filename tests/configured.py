@@ -29,12 +29,11 @@ def dump_configurations(art: Path, submodule: str, dump: Path, specs: bool = Tru
     mlir = next(Path(os.environ["SDIREE_CACHE"]).rglob(sub["mlir"]))
     flags = [f for f in sub["flags"] if not f.startswith(DUMP_FLAG)]
     # a spec no flag names was attached to the module (compile/tuning_embed.py)
-    registry = load_registry()
     attached = [rel for rel in sub["tuning_specs"] if not any(rel in f for f in sub["flags"])]
     assert len(attached) <= 1, attached
     spec = None
     if specs and attached:
-        spec = registry.spec_path(attached[0])
+        spec = load_registry().spec_path(attached[0])
         assert sha256_file(spec) == sub["tuning_specs"][attached[0]], "not the shipped spec"
     dump.mkdir(parents=True)
     with with_spec(mlir, spec, dump.parent) as src:
