@@ -27,6 +27,14 @@ from sdiree.runtime.fileutil import atomic_write_json
 REQUIRED = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 HASHED_SUFFIXES = {".json", ".safetensors", ".bin", ".txt", ".model"}
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+# The files from_pretrained reads (no variant), in its order of preference: one file or the
+# shards its index names.
+WEIGHT_FILES = (
+    "diffusion_pytorch_model.safetensors",
+    "model.safetensors",
+    "diffusion_pytorch_model.bin",
+    "pytorch_model.bin",
+)
 # Libraries a component may come from: importing a module named by a downloaded file runs its
 # code, so only these two are imported.
 LIBRARIES = ("diffusers", "transformers")
@@ -219,16 +227,48 @@ class ModelSource:
             raise UserError(f"could not load {component} from {self.path}: {msg}") from None
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """The weight files from_pretrained reads from a component folder (no variant); [] where it
+    reads none of WEIGHT_FILES (its own error then says why)."""
+    for name in WEIGHT_FILES:
+        index = folder / f"{name}.index.json"
+        if index.is_file():
+            weight_map = read_json_object(index, "a sharded checkpoint's index").get("weight_map")
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) for f in weight_map.values()
+            ):
+                raise UserError(f"{index} has no 'weight_map' of file names; {REDOWNLOAD}")
+            return [folder / f for f in dict.fromkeys(weight_map.values())]
+        if (folder / name).is_file():
+            return [folder / name]
+    return []
+
+
+def check_weight_file(path: Path) -> None:
+    """UserError where a weight file is not whole: a Git LFS pointer or a page a failed
+    download saved (any format); a safetensors file whose header is damaged or whose tensors
+    run past its end. Only headers are read."""
+    from sdiree.runtime.checkpoints.read import failed_download
+    from sdiree.runtime.checkpoints.safetensors_file import read_safetensors
+
+    if not path.is_file():
+        raise UserError(f"{path} is missing; {REDOWNLOAD}")
+    if problem := failed_download(path):
+        raise UserError(problem)
+    if path.suffix == ".safetensors":
+        read_safetensors(path)  # maps the file: nothing is read beyond the header
+
+
 def files_dtype(folder: Path):
     """The dtype a component loads in: its safetensors files' float dtype where they all have
     the same half one, else float32. In the files' dtype the loader maps the tensors without
     a copy (SDXL's fp16 UNet: 0.5 GB instead of 15 GB in float32), and no tensor is rounded."""
     import torch
 
-    from .weight_source import read_header, safetensors_files
+    from .weight_source import read_header
 
     found = set()
-    for path in safetensors_files(folder):
+    for path in (p for p in weight_files(folder) if p.suffix == ".safetensors"):
         found |= {t.dtype for t in read_header(path).values() if t.dtype.is_floating_point}
     return found.pop() if found in ({torch.float16}, {torch.bfloat16}) else torch.float32
 
@@ -285,10 +325,11 @@ def open_model(
         folder = path / comp
         if not folder.is_dir():
             raise UserError(f"{path} is missing the submodule folder '{comp}/'")
-        if comp not in (*tokenizers, "scheduler") and not any(
-            p.name.endswith(WEIGHT_SUFFIXES) for p in folder.iterdir()
-        ):
-            raise UserError(f"{folder} holds no weights (*.safetensors or *.bin)")
+        if comp not in (*tokenizers, "scheduler"):
+            if not any(p.name.endswith(WEIGHT_SUFFIXES) for p in folder.iterdir()):
+                raise UserError(f"{folder} holds no weights (*.safetensors or *.bin)")
+            for file in weight_files(folder):
+                check_weight_file(file)
     for tokenizer in tokenizers:
         for name in TOKENIZER_NEEDS:
             if not (path / tokenizer / name).is_file():

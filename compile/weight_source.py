@@ -16,13 +16,16 @@ loading) is kept as the loaded tensor, which is what the archive held before.
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from sdiree.runtime.checkpoints.safetensors_file import read_header as st_header
+from sdiree.runtime.checkpoints.safetensors_file import read_safetensors
+
+from .model_source import weight_files
 
 # safetensors dtype names -> torch dtypes
 _ST_DTYPES = {
@@ -37,8 +40,6 @@ _ST_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-# The files from_pretrained reads (no variant), one file or the shards of its index.
-_WEIGHT_NAMES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
 _SAMPLE = 64  # values compared at each end of a tensor
 
 
@@ -66,30 +67,18 @@ class FileTensor:
         return torch.frombuffer(buf, dtype=self.dtype).reshape(self.shape)
 
 
-def safetensors_files(folder: Path) -> list[Path]:
-    """The safetensors files from_pretrained loads from a component folder (no variant)."""
-    for name in _WEIGHT_NAMES:
-        index = folder / f"{name}.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
-            return [folder / f for f in dict.fromkeys(weight_map.values())]
-        if (folder / name).is_file():
-            return [folder / name]
-    return []
-
-
 def read_header(path: Path) -> dict[str, FileTensor]:
-    """{key: FileTensor} of one safetensors file."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+    """{key: FileTensor} of one safetensors file, its header checked (UserError where it is
+    damaged or the file is cut short)."""
+    read_safetensors(path)  # checks every entry against the file; maps it, reads no tensor
+    header, data_start, _ = st_header(path)
     out = {}
     for key, h in header.items():
         if key == "__metadata__" or h.get("dtype") not in _ST_DTYPES:
             continue
         start, end = h["data_offsets"]
         out[key] = FileTensor(
-            path, 8 + n + start, end - start, _ST_DTYPES[h["dtype"]], tuple(h["shape"])
+            path, data_start + start, end - start, _ST_DTYPES[h["dtype"]], tuple(h["shape"])
         )
     return out
 
@@ -130,7 +119,8 @@ class WeightSource:
         safetensors files where it verifiably holds the tensor, else the tensor itself. folder
         None: every tensor is kept (weights replaced after loading)."""
         keys: dict[str, FileTensor] = {}
-        for path in safetensors_files(folder) if folder is not None else []:
+        files = weight_files(folder) if folder is not None else []
+        for path in (p for p in files if p.suffix == ".safetensors"):
             keys.update(read_header(path))
         tensors: dict[str, FileTensor | torch.Tensor] = {}
         dtypes = {}

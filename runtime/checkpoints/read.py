@@ -4,13 +4,16 @@
 the format's metadata, plain values stored beside a pickled state dict (a Lightning
 checkpoint's global_step) and the file's sha256 on demand. safetensors and torch's zip format
 (.ckpt/.pt/.bin) are read; anything else (an old-format torch pickle, a GGUF file, an image, a
-text file) is one UserError saying what the file is.
+text file) is one UserError saying what the file is. What a failed download leaves in a
+checkpoint's place (a Git LFS pointer, a web page, a server's error message) is named as such,
+with what to do (`failed_download`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,14 +55,7 @@ def sniff(path: Path) -> str:
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{path} is a folder, not a checkpoint file")
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(16)
-    except FileNotFoundError:
-        raise UserError(f"{path} does not exist") from None
-    except OSError as e:
-        raise UserError(f"cannot read {path} ({e.strerror or e})") from None
+    size, head = _head(path)
     if size == 0:
         raise UserError(f"{path} is empty; re-download it")
     if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
@@ -80,7 +76,68 @@ def sniff(path: Path) -> str:
         )
     if head.startswith(b"GGUF"):
         raise UserError(f"{path} is a GGUF file, which sdiree does not read; pass {_ACCEPTED}")
+    if problem := failed_download(path):
+        raise UserError(problem)
+    if path.suffix.lower() in (".safetensors", ".ckpt", ".pt", ".pth", ".bin"):
+        raise UserError(
+            f"{path} is not a checkpoint, though its name says one: its first bytes are "
+            "neither a safetensors header nor a torch zip file; it is damaged: re-download it"
+        )
     raise UserError(f"{path} is not a checkpoint sdiree reads; pass {_ACCEPTED}")
+
+
+_TEXT_HEAD = 512  # bytes read to tell a text file from a checkpoint
+
+
+def _head(path: Path, n: int = 16) -> tuple[int, bytes]:
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            return size, f.read(n)
+    except FileNotFoundError:
+        raise UserError(f"{path} does not exist") from None
+    except OSError as e:
+        raise UserError(f"cannot read {path} ({e.strerror or e})") from None
+
+
+def failed_download(path: Path) -> str | None:
+    """What path is, where it is what a failed download leaves in a checkpoint's place (a Git
+    LFS pointer, an HTML page, a JSON or other text message), as one line saying what to do;
+    None for anything else. Reads at most 512 bytes."""
+    path = Path(path)
+    size, head = _head(path, _TEXT_HEAD)
+    if head.startswith(b"version https://git-lfs"):
+        stated = re.search(rb"\nsize (\d+)", head)
+        real = f" of {_gb(int(stated[1]))}" if stated else ""
+        return (
+            f"{path} is a Git LFS pointer ({size} bytes), not the file{real} itself: its "
+            "repository was cloned without git-lfs; run `git lfs install && git lfs pull` "
+            "there, or download the file"
+        )
+    try:
+        text = head.decode("utf-8").lstrip("\ufeff \t\r\n")
+    except UnicodeDecodeError as e:  # a multi-byte character cut at the end still counts
+        if e.start < len(head) - 3:
+            return None
+        text = head[: e.start].decode("utf-8").lstrip("\ufeff \t\r\n")
+    if not text or not all(c.isprintable() or c in "\t\r\n" for c in text):
+        return None
+    if text[:1] == "<":
+        kind = "a web page (HTML)"
+    elif text[:1] in "{[":
+        kind = "a JSON text"
+    else:
+        kind = "a text file"
+    start = " ".join(text.split())[:60]
+    return (
+        f"{path} is {kind}, not a checkpoint ({size} bytes, starting {start!r}): a download "
+        "that saved a server's page or error message instead of the file (some model sites "
+        "need you to be logged in, or an API token); download it again"
+    )
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def _is_legacy_magic(raw: bytes) -> bool:

@@ -176,6 +176,28 @@ def _remove(rel: str):
     return lambda model: (model / rel).unlink()
 
 
+def _cut(rel: str):
+    """A weights file cut short, as an interrupted download leaves it."""
+
+    def mutate(model):
+        data = (model / rel).read_bytes()
+        (model / rel).write_bytes(data[: len(data) // 3])
+
+    return mutate
+
+
+def _replace(rel: str, text: str):
+    return lambda model: (model / rel).write_text(text)
+
+
+UNET_WEIGHTS = "unet/diffusion_pytorch_model.safetensors"
+LFS_POINTER = (
+    "version https://git-lfs.github.com/spec/v1\n"
+    "oid sha256:4c2d8f5e3c1a2b9e0d7f6a5b4c3d2e1f0a9b8c7d6e5f4a3b2c1d0e9f8a7b6c5d\n"
+    "size 3438167536\n"
+)
+
+
 # A damaged or foreign model folder: (mutation, what the one error line must say).
 BAD_MODELS = {
     "truncated-unet-config": (_truncate("unet/config.json"), "unet/config.json is not valid JSON"),
@@ -237,6 +259,24 @@ BAD_MODELS = {
     ),
     "tokenizer-merges-missing": (_remove("tokenizer/merges.txt"), "has no merges.txt"),
     "truncated-vocab": (_truncate("tokenizer/vocab.json"), "vocab.json is not valid JSON"),
+    # what a failed download leaves in a weights file's place (a clone without git-lfs holds
+    # pointers; before these checks the UNet's pointer was a MemoryError traceback)
+    "unet-weights-lfs-pointer": (
+        _replace(UNET_WEIGHTS, LFS_POINTER),
+        "unet/diffusion_pytorch_model.safetensors is a Git LFS pointer",
+    ),
+    "vae-weights-login-page": (
+        _replace("vae/diffusion_pytorch_model.safetensors", "<!DOCTYPE html><html>Sign in"),
+        "vae/diffusion_pytorch_model.safetensors is a web page (HTML)",
+    ),
+    "text-encoder-weights-error-message": (
+        _replace("text_encoder/model.safetensors", '{"error": "Unauthorized"}'),
+        "text_encoder/model.safetensors is a JSON text, not a checkpoint",
+    ),
+    "unet-weights-cut-short": (
+        _cut(UNET_WEIGHTS),
+        "unet/diffusion_pytorch_model.safetensors is truncated (header says",
+    ),
 }
 
 

@@ -359,7 +359,7 @@ def bad_files(root: Path, good: Path) -> dict[str, tuple[Path, str]]:
     )
     return {
         "truncated": (truncated, "is truncated (header says"),
-        "not-a-checkpoint": (text, "is not a checkpoint sdiree reads"),
+        "not-a-checkpoint": (text, "is a text file, not a checkpoint"),
         "code": (evil, "contains code (posix.system), which sdiree never runs"),
         "sdxl-one-encoder": (sdxl, "an SDXL base checkpoint holds CLIP ViT-L"),
     }

@@ -160,9 +160,50 @@ def test_huge_header_length_is_not_safetensors(tmp_path):
 def test_not_a_checkpoint_and_empty(tmp_path):
     text = tmp_path / "notes.safetensors"
     text.write_text("hello, this is not a model\n")
-    one_line_error(text, "is not a checkpoint sdiree reads")
+    one_line_error(text, "is a text file, not a checkpoint", "'hello, this is not a model'")
+    other = tmp_path / "notes.txt"
+    other.write_bytes(b"\x01\x02 binary, not a model")
+    one_line_error(other, "is not a checkpoint sdiree reads")
     empty = tmp_path / "empty.safetensors"
     empty.write_bytes(b"")
     one_line_error(empty, "is empty")
     with pytest.raises(UserError, match="does not exist"):
         read_tensors(tmp_path / "missing.safetensors")
+
+
+LFS_POINTER = (
+    "version https://git-lfs.github.com/spec/v1\n"
+    "oid sha256:4c2d8f5e3c1a2b9e0d7f6a5b4c3d2e1f0a9b8c7d6e5f4a3b2c1d0e9f8a7b6c5d\n"
+    "size 3438167536\n"
+)
+FAILED_DOWNLOADS = {
+    "lfs-pointer": (
+        LFS_POINTER,
+        ["is a Git LFS pointer (", "not the file of 3.4 GB itself", "git lfs pull"],
+    ),
+    "html-page": (
+        "\n  <!DOCTYPE html>\n<html><head><title>Sign in</title></head><body>" + "x" * 900,
+        ["is a web page (HTML), not a checkpoint", "'<!DOCTYPE html> <html><head>", "again"],
+    ),
+    "json-error": (
+        '{"error": "Unauthorized", "message": "The model requires a login"}',
+        ["is a JSON text, not a checkpoint", '\'{"error": "Unauthorized"', "API token"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FAILED_DOWNLOADS))
+def test_failed_downloads_say_what_they_are(tmp_path, case):
+    """What a failed download leaves where a checkpoint should be is named, with what to do:
+    a Git LFS pointer (a repository cloned without git-lfs), a login page, an error message."""
+    text, says = FAILED_DOWNLOADS[case]
+    for name in ("model.safetensors", "model.ckpt"):
+        path = tmp_path / name
+        path.write_text(text)
+        one_line_error(path, *says)
+
+
+def test_damaged_file_named_as_a_checkpoint(tmp_path):
+    path = tmp_path / "model.ckpt"
+    path.write_bytes(b"\x00\x01" + bytes(range(256)) * 4)
+    one_line_error(path, "is not a checkpoint, though its name says one", "re-download")
