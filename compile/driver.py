@@ -554,8 +554,25 @@ def compile_model(opts: CompileOptions, reporter: Reporter | None = None) -> Pat
     r = reporter or Reporter()
     plan = resolve(opts, r)  # bad input says so before the heavy libraries are imported
     quiet_libraries()
-    with _disk_full_is_user_error(plan):
-        return _build(plan, r)
+    made = _missing_dirs(plan.out)
+    try:
+        with _disk_full_is_user_error(plan):
+            return _build(plan, r)
+    except BaseException:
+        # a compile that failed before writing into the folders it made leaves none of them
+        for d in made:
+            with contextlib.suppress(OSError):
+                d.rmdir()  # an empty folder only
+        raise
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """path and those of its parents that do not exist yet, innermost first."""
+    missing = []
+    while not path.exists() and path.parent != path:
+        missing.append(path)
+        path = path.parent
+    return missing
 
 
 def _build(plan: Plan, r: Reporter) -> Path:

@@ -16,6 +16,7 @@ import hashlib
 import importlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,20 +219,39 @@ class ModelSource:
         # Never the config's torch_dtype: transformers 5 loads a model in that dtype by default,
         # and SDXL's released text-encoder configs say float16 over float32 files (the export
         # casts to the compile's dtype itself).
-        dtype = dtype or files_dtype(self.path / component)
-        dtype = {"dtype" if library == "transformers" else "torch_dtype": dtype}
+        folder = self.path / component
+        options = {
+            "dtype" if library == "transformers" else "torch_dtype": dtype or files_dtype(folder)
+        }
+        if variant := weight_variant(folder):
+            options["variant"] = variant  # a folder of only fp16 files, say
         try:
-            return cls.from_pretrained(self.path / component, local_files_only=True, **dtype)
+            model, info = cls.from_pretrained(
+                folder, local_files_only=True, output_loading_info=True, **options
+            )
         except Exception as e:  # noqa: BLE001 - any loader failure is a bad model folder
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"could not load {component} from {self.path}: {msg}") from None
+        # Both libraries fill a parameter the files lack with random values, with no more than
+        # a logged warning: the artifact would compile and make noise.
+        if missing := sorted(info.get("missing_keys") or ()):
+            total = sum(1 for _ in model.state_dict())
+            raise UserError(
+                f"{folder}'s weights lack {len(missing)} of the {total} tensors its config "
+                f"needs (e.g. '{missing[0]}'): the file is another component's or another "
+                f"model's, or damaged; {REDOWNLOAD}"
+            )
+        return model
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The weight files from_pretrained reads from a component folder (no variant); [] where it
-    reads none of WEIGHT_FILES (its own error then says why)."""
+    """The weight files from_pretrained reads from a component folder: its plain ones, or
+    where it has none, those of its one variant (weight_variant); [] where it has none of
+    WEIGHT_FILES (from_pretrained's own error then says why)."""
+    variant = weight_variant(folder)
     for name in WEIGHT_FILES:
-        index = folder / f"{name}.index.json"
+        single, index = _variant_names(name, variant)
+        index = folder / index
         if index.is_file():
             weight_map = read_json_object(index, "a sharded checkpoint's index").get("weight_map")
             if not isinstance(weight_map, dict) or not all(
@@ -239,9 +259,43 @@ def weight_files(folder: Path) -> list[Path]:
             ):
                 raise UserError(f"{index} has no 'weight_map' of file names; {REDOWNLOAD}")
             return [folder / f for f in dict.fromkeys(weight_map.values())]
-        if (folder / name).is_file():
-            return [folder / name]
+        if (folder / single).is_file():
+            return [folder / single]
     return []
+
+
+def weight_variant(folder: Path) -> str | None:
+    """The variant a component folder's weights are to be read as: None where it has plain
+    weight files, else the one variant its files are of (a download of only a repository's
+    fp16 files: `diffusion_pytorch_model.fp16.safetensors`, `model.fp16.safetensors`); None
+    where it has none, or several (UserError: which one is meant is not known)."""
+    if any(
+        (folder / a).is_file() or (folder / b).is_file()
+        for a, b in map(_variant_names, WEIGHT_FILES)
+    ):
+        return None
+    found = set()
+    for path in folder.iterdir() if folder.is_dir() else ():
+        for name in WEIGHT_FILES:
+            stem, ext = name.rsplit(".", 1)
+            single = re.fullmatch(re.escape(stem) + r"\.(\w+)\." + ext, path.name)
+            index = re.fullmatch(re.escape(name) + r"\.index\.(\w+)\.json", path.name)
+            if m := single or index:
+                found.add(m[1])
+    if len(found) > 1:
+        raise UserError(
+            f"{folder} holds the weights of several variants ({', '.join(sorted(found))}) and "
+            "no plain ones; keep the files of one variant"
+        )
+    return found.pop() if found else None
+
+
+def _variant_names(name: str, variant: str | None = None) -> tuple[str, str]:
+    """The single file and index names of one of WEIGHT_FILES, as variant or plain."""
+    if variant is None:
+        return name, f"{name}.index.json"
+    stem, ext = name.rsplit(".", 1)
+    return f"{stem}.{variant}.{ext}", f"{name}.index.{variant}.json"
 
 
 def check_weight_file(path: Path) -> None:

@@ -297,6 +297,24 @@ def test_bad_model_folder_is_one_line(model_copy, tmp_path, case):
     assert not [p for p in model_copy.rglob("*") if p.name.startswith(".")]
 
 
+def test_weights_of_another_component_are_refused_not_random(tiny_model, model_copy, tmp_path):
+    """A weights file that loads but lacks the component's tensors (here the VAE's file in the
+    text encoder's and the UNet's place): diffusers and transformers fill what is missing with
+    random values and only log it, so the artifact compiled and made noise. Now one line, and
+    no manifest; the text encoder, loaded first, leaves not even the folders it would make."""
+    vae = (model_copy / "vae/diffusion_pytorch_model.safetensors").read_bytes()
+    (model_copy / "text_encoder/model.safetensors").write_bytes(vae)
+    out = tmp_path / "artifacts" / "out"
+    proc = run_compile(model_copy, "--target", "cpu", "--out", out)
+    assert_clean_failure(proc, "text_encoder's weights lack 36 of the 36 tensors its config")
+    assert not (tmp_path / "artifacts").exists()
+    shutil.copy(tiny_model / "text_encoder/model.safetensors", model_copy / "text_encoder")
+    (model_copy / UNET_WEIGHTS).write_bytes(vae)
+    proc = run_compile(model_copy, "--target", "cpu", "--out", out)
+    assert_clean_failure(proc, "unet's weights lack")
+    assert not (out / "manifest.json").exists()
+
+
 def test_non_component_index_entries_are_tolerated(model_copy, tmp_path):
     """Pipeline options in model_index.json (a boolean, a string, an absent part's [null, null])
     are not components: the folder opens, and the first error is the bad --height."""

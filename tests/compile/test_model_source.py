@@ -124,3 +124,46 @@ def test_components_load_in_float32_whatever_their_config_says(model_copy):
     path.write_text(json.dumps(config))
     model = open_model(model_copy).load("text_encoder")
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def _as_variant(folder, variant: str) -> None:
+    for p in folder.glob("*.safetensors"):
+        p.rename(p.with_name(p.name.replace(".safetensors", f".{variant}.safetensors")))
+
+
+def test_a_folder_of_one_variant_loads_its_files(tiny_model, model_copy):
+    """A download of only a repository's fp16 files (`diffusion_pytorch_model.fp16.safetensors`,
+    `model.fp16.safetensors`, no plain ones): every component is read from them, the same
+    tensors as the plain files', and the compile's file ranges point into them."""
+    import torch
+
+    from sdiree.compile.model_source import weight_files, weight_variant
+    from sdiree.compile.weight_source import WeightSource
+
+    for comp in ("unet", "vae", "text_encoder"):
+        _as_variant(model_copy / comp, "fp16")
+    model = open_model(model_copy)
+    for comp in ("unet", "vae", "text_encoder"):
+        folder = model_copy / comp
+        assert weight_variant(folder) == "fp16"
+        (file,) = weight_files(folder)
+        assert file.name.endswith(".fp16.safetensors")
+        loaded = model.load(comp).state_dict()
+        reference = open_model(tiny_model).load(comp).state_dict()
+        assert loaded.keys() == reference.keys()
+        assert all(torch.equal(loaded[k], reference[k]) for k in loaded)
+        source = WeightSource.capture(model.load(comp), folder)
+        ranges = [t for t in source.tensors.values() if not isinstance(t, torch.Tensor)]
+        assert ranges and {t.path for t in ranges} == {file}
+
+
+def test_plain_files_win_and_several_variants_are_refused(model_copy):
+    from sdiree.compile.model_source import weight_files, weight_variant
+
+    unet = model_copy / "unet"
+    plain = unet / "diffusion_pytorch_model.safetensors"
+    shutil.copy(plain, unet / "diffusion_pytorch_model.fp16.safetensors")
+    assert weight_variant(unet) is None and weight_files(unet) == [plain]
+    plain.rename(unet / "diffusion_pytorch_model.bf16.safetensors")
+    with pytest.raises(UserError, match=r"several variants \(bf16, fp16\) and no plain ones"):
+        open_model(model_copy)
