@@ -28,8 +28,8 @@ from sdiree.runtime.fileutil import atomic_write_json
 REQUIRED = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 HASHED_SUFFIXES = {".json", ".safetensors", ".bin", ".txt", ".model"}
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
-# The files from_pretrained reads (no variant), in its order of preference: one file or the
-# shards its index names.
+# The files from_pretrained reads, in its order of preference: one file or the shards its index
+# names. A variant's are named `<stem>.<variant>.<ext>`, its index `<name>.index.<variant>.json`.
 WEIGHT_FILES = (
     "diffusion_pytorch_model.safetensors",
     "model.safetensors",
@@ -265,10 +265,10 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def weight_variant(folder: Path) -> str | None:
-    """The variant a component folder's weights are to be read as: None where it has plain
-    weight files, else the one variant its files are of (a download of only a repository's
-    fp16 files: `diffusion_pytorch_model.fp16.safetensors`, `model.fp16.safetensors`); None
-    where it has none, or several (UserError: which one is meant is not known)."""
+    """The variant a component folder's weights are to be read as: the one variant its files
+    are of where it has no plain ones (a download of only a repository's fp16 files:
+    `diffusion_pytorch_model.fp16.safetensors`, `model.fp16.safetensors`); None where it has
+    plain files or none at all; UserError where its files are of several variants."""
     if any(
         (folder / a).is_file() or (folder / b).is_file()
         for a, b in map(_variant_names, WEIGHT_FILES)
