@@ -36,6 +36,9 @@ WEIGHT_FILES = (
     "diffusion_pytorch_model.bin",
     "pytorch_model.bin",
 )
+# A model's folder in the Hugging Face hub cache (~/.cache/huggingface/hub): its files are in
+# snapshots/<revision>/, refs/main names the revision last downloaded.
+HF_REPO_PREFIX = "models--"
 # Libraries a component may come from: importing a module named by a downloaded file runs its
 # code, so only these two are imported.
 LIBRARIES = ("diffusers", "transformers")
@@ -144,6 +147,11 @@ class ModelSource:
 
     @property
     def name(self) -> str:
+        """The folder's name; a Hugging Face cache snapshot's is its repository's (`<name>` of
+        `models--<org>--<name>/snapshots/<revision>`), not the revision's hash."""
+        repo = self.path.parent.parent
+        if self.path.parent.name == "snapshots" and repo.name.startswith(HF_REPO_PREFIX):
+            return repo.name.split("--")[-1]
         return self.path.name
 
     def config(self, component: str) -> dict:
@@ -353,6 +361,10 @@ def open_model(
         raise UserError(
             f"model {path} does not exist (pass a diffusers folder or a checkpoint file)"
         )
+    if (snapshot := hf_snapshot(path)) is not None:
+        if say:
+            say(f"{path} is a Hugging Face cache folder: compiling its snapshot {snapshot.name}")
+        path = snapshot
     index_path = path / "model_index.json"
     if not index_path.is_file():
         raise UserError(
@@ -396,6 +408,28 @@ def open_model(
     if check_classes:
         source.check_classes()
     return source
+
+
+def hf_snapshot(path: Path) -> Path | None:
+    """The snapshot to compile where path is a model's Hugging Face cache folder
+    (`models--<org>--<name>`, or its `snapshots/`) rather than a snapshot: the revision
+    refs/main names, else the only snapshot holding model_index.json; None where path is no
+    such folder. UserError where several snapshots are there and no ref says which."""
+    repo = path.parent if path.name == "snapshots" else path
+    if not repo.name.startswith(HF_REPO_PREFIX) or not (repo / "snapshots").is_dir():
+        return None
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        snapshot = repo / "snapshots" / ref.read_text(errors="replace").strip()
+        if (snapshot / "model_index.json").is_file():
+            return snapshot
+    found = sorted(s for s in (repo / "snapshots").iterdir() if (s / "model_index.json").is_file())
+    if len(found) > 1:
+        raise UserError(
+            f"{repo} holds {len(found)} snapshots of the model and no refs/main naming one; "
+            f"pass the one to compile: {', '.join(str(s) for s in found)}"
+        )
+    return found[0] if found else None
 
 
 def _single_file_folder(path: Path, cache_dir, config_dir, prediction_type, say) -> Path:

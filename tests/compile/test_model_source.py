@@ -167,3 +167,51 @@ def test_plain_files_win_and_several_variants_are_refused(model_copy):
     plain.rename(unet / "diffusion_pytorch_model.bf16.safetensors")
     with pytest.raises(UserError, match=r"several variants \(bf16, fp16\) and no plain ones"):
         open_model(model_copy)
+
+
+def _hf_cache(tiny_model, root, revisions=("3f9a1c0",), main=None):
+    """A model as the Hugging Face hub caches it: models--<org>--<name>/ with each revision's
+    files in snapshots/<revision>/ as links into blobs/, and refs/main."""
+    repo = root / "models--someone--tiny-sd"
+    for rev in revisions:
+        for src in tiny_model.rglob("*"):
+            if src.is_file():
+                rel = src.relative_to(tiny_model)
+                blob = repo / "blobs" / f"{rev}-{str(rel).replace('/', '-')}"
+                blob.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(src, blob)
+                link = repo / "snapshots" / rev / rel
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(blob)
+    if main:
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(main)
+    return repo
+
+
+def test_a_hugging_face_cache_folder_compiles_its_snapshot(tiny_model, tmp_path):
+    """A diffusers user's model already sits in ~/.cache/huggingface/hub: the repository's
+    folder (or its snapshots/) stands for the snapshot refs/main names, or its only one, whose
+    weights are links into blobs/; the artifacts are named for the repository, not a hash."""
+    repo = _hf_cache(tiny_model, tmp_path, main="3f9a1c0")
+    snapshot = repo / "snapshots" / "3f9a1c0"
+    said = []
+    for given in (repo, repo / "snapshots", snapshot):
+        model = open_model(given, say=said.append)
+        assert model.path == snapshot and model.name == "tiny-sd"
+    assert said == [
+        f"{p} is a Hugging Face cache folder: compiling its snapshot 3f9a1c0"
+        for p in (repo, repo / "snapshots")
+    ]
+    assert model.content_hash() == open_model(tiny_model).content_hash()
+    (repo / "refs" / "main").unlink()
+    assert open_model(repo).path == snapshot  # the only snapshot
+
+
+def test_several_cached_snapshots_need_refs_main_or_a_choice(tiny_model, tmp_path):
+    repo = _hf_cache(tiny_model, tmp_path, revisions=("aaa111", "bbb222"))
+    with pytest.raises(UserError, match="holds 2 snapshots of the model and no refs/main"):
+        open_model(repo)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("bbb222\n")
+    assert open_model(repo).path == repo / "snapshots" / "bbb222"
