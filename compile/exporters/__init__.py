@@ -36,8 +36,9 @@ from sdiree.runtime.registry_schema import UNET_ONLY_EXPORT
 # under `winograd_kernel: fused` the F(2x2) convs on the fp32 Winograd kernels; 19: channels-last
 # GroupNorm statistics in one pass of sums about a reference; 20: the AMX attention's keys and
 # values packed from the projections by the kernel's own pass (pack_kv); 21: the AMX matmul's
-# bias in its accumulators (linears, im2col convs).
-EXPORTER_REVISION = 21
+# bias in its accumulators (linears, im2col convs); 22: Winograd products and im2col matmuls
+# whose rows are not a multiple of 32 padded onto the AMX kernel, as the linears' were.
+EXPORTER_REVISION = 22
 # Bumped when weights derived at export (Winograd) are computed differently, so that cached
 # derived archives written before are written again (compile/driver.py). 2: rounded once to the
 # export dtype; before, an fp16 file compiled in fp32 had its transformed weights rounded to fp16

@@ -77,6 +77,32 @@ def fits(m, n: int, k: int) -> bool:
     return isinstance(m, int) and all(d % MULTIPLE == 0 and d > 0 for d in (m, n, k))
 
 
+def row_pad(m) -> int:
+    """Zero rows that make an [m, k] operand's rows a multiple of the kernel's: fewer than m
+    (m at least MULTIPLE); 0 where m is not static or is a multiple already."""
+    return -m % MULTIPLE if isinstance(m, int) and m >= MULTIPLE else 0
+
+
+def fits_padded(m, n: int, k: int) -> bool:
+    """fits() once the rows are padded (row_pad): SD 2.1's unguided call at 768² has 144
+    Winograd tiles and 144 pixels at its 24² and 12² levels, which iree multiplied itself
+    from an f32 copy of their weights packed beside the kernel's (2.5 GB more archive)."""
+    return fits(m + row_pad(m), n, k)
+
+
+def padded_matmul(
+    a: torch.Tensor, packed: torch.Tensor, split: bool = False, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """amx_matmul on a's rows (dim -2) padded with zeros to the kernel's multiple, the padding's
+    rows dropped from the result."""
+    m = a.shape[-2]
+    pad = row_pad(m)
+    if pad:
+        a = torch.nn.functional.pad(a, (0, 0, 0, pad))
+    y = amx_matmul(a, packed, split, bias)
+    return y[..., :m, :] if pad else y
+
+
 def pack_b(weight: torch.Tensor) -> torch.Tensor:
     """A Linear's weight [..., N, K] as the kernel's B operand [..., N / 16, K / 2, 16, 2], in
     bf16 (leading dims kept: one operand per head)."""

@@ -11,7 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from . import linear_f32
-from .amx_matmul import amx_matmul, fits, from_operand, is_split, operand, pack_b, weight_operand
+from .amx_matmul import (
+    fits_padded,
+    from_operand,
+    is_split,
+    operand,
+    pack_b,
+    padded_matmul,
+    weight_operand,
+)
 
 
 def conv2d_as_matmul(conv: torch.nn.Conv2d, x: torch.Tensor, matmul: str = "iree") -> torch.Tensor:
@@ -31,7 +39,7 @@ def conv2d_as_matmul_nhwc(
         pointwise = (
             (kh, kw) == (1, 1) and tuple(conv.stride) == (1, 1) and conv.padding in ((0, 0), 0)
         )
-        if not (pointwise and matmul == "amx" and fits(n * h * w, o, c2 // 2)):
+        if not (pointwise and matmul == "amx" and fits_padded(n * h * w, o, c2 // 2)):
             xh = from_operand(xh, True)
     n, h, w, c = xh.shape
     sh, sw = conv.stride
@@ -48,10 +56,10 @@ def conv2d_as_matmul_nhwc(
     cols = torch.cat(windows, dim=-1) if len(windows) > 1 else windows[0]
     cols = cols.reshape(n * oh * ow, kh * kw * c)
     c = c // 2 if cols.dtype == torch.bfloat16 and split else c  # the parts' real channels
-    if matmul == "amx" and fits(n * oh * ow, o, kh * kw * c):
+    if matmul == "amx" and fits_padded(n * oh * ow, o, kh * kw * c):
         weight = conv.weight.permute(0, 2, 3, 1).reshape(o, kh * kw * c)
         packed = pack_b(weight_operand(weight, split))
-        out = amx_matmul(operand(cols, split), packed, split, conv.bias)  # bias in the kernel
+        out = padded_matmul(operand(cols, split), packed, split, conv.bias)  # bias in the kernel
         return out.reshape(n, oh, ow, o)
     weight = conv.weight.permute(2, 3, 1, 0).reshape(kh * kw * c, o)
     cols = cols.to(conv.weight.dtype)

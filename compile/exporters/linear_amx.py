@@ -21,12 +21,13 @@ import torch.nn.functional as F
 
 from .amx_matmul import (
     MULTIPLE,
-    amx_matmul,
     fits,
+    fits_padded,
     from_operand,
     is_split,
     operand,
     pack_b,
+    padded_matmul,
     register,
     weight_operand,
 )
@@ -47,22 +48,15 @@ def amx_forward(linear: torch.nn.Linear):
 
 def _amx_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
-    rows = x2.shape[0]
-    # rows padded to the kernel's multiple where that adds under half (the text's 2 x 77
-    # tokens, the cross-attention keys and values: 154 -> 160; iree's bf16 matmul took 2.3 ms
-    # for SD 1.5's 1280-wide ones)
-    pad = -rows % MULTIPLE if isinstance(rows, int) and rows >= MULTIPLE else 0
+    # rows padded to the kernel's multiple (the text's 2 x 77 tokens, the cross-attention keys
+    # and values: 154 -> 160; iree's bf16 matmul took 2.3 ms for SD 1.5's 1280-wide ones)
     split = is_split(self)
-    if not fits(rows + pad, self.out_features, self.in_features):
+    if not fits_padded(x2.shape[0], self.out_features, self.in_features):
         return cast_forward(self, x)
-    if pad:
-        x2 = F.pad(x2, (0, 0, 0, pad))
     # the bias in the kernel's accumulators: iree added it in a pass of its own over the f32
     # result (fused with a residual add after it where there is one)
     w = pack_b(weight_operand(self.weight, split))
-    y = amx_matmul(operand(x2, split), w, split, self.bias)
-    if pad:
-        y = y[:rows]
+    y = padded_matmul(operand(x2, split), w, split, self.bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

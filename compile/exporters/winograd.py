@@ -20,7 +20,14 @@ from sdiree.runtime.weights.winograd import WINOGRAD, WINOGRAD_PARAM
 
 from ..placeholders import is_placeholder, mark, placeholder
 from . import linear_f32, winograd_f32, winograd_fused
-from .amx_matmul import amx_matmul, fits, is_split, operand, pack_b, weight_operand
+from .amx_matmul import (
+    fits_padded,
+    is_split,
+    operand,
+    pack_b,
+    padded_matmul,
+    weight_operand,
+)
 from .im2col import conv2d_as_matmul_nhwc, supported
 
 # The Winograd choices and their output tile size m of F(m x m, 3x3).
@@ -176,10 +183,10 @@ def _product(v: torch.Tensor, u: torch.Tensor, matmul: str) -> torch.Tensor:
     """V_rs @ U_rs ([M, C] @ [C, O], or a batch of them); under `amx`, on sdiree's AMX kernel
     where it fits (bf16 operands, U_rs packed for the kernel: a constant expression of the
     transformed weight, which the parameter encoder computes at compile)."""
-    if matmul in ("amx", SPLIT_AMX) and fits(v.shape[-2], u.shape[-1], u.shape[-2]):
+    if matmul in ("amx", SPLIT_AMX) and fits_padded(v.shape[-2], u.shape[-1], u.shape[-2]):
         split = matmul == SPLIT_AMX
         packed = pack_b(weight_operand(u.transpose(-1, -2), split))
-        return amx_matmul(operand(v, split), packed, split)
+        return padded_matmul(operand(v, split), packed, split)
     if matmul == "f32" and linear_f32.fits_matmul(v, u):
         return linear_f32.f32_matmul(v, u)
     return torch.mm(v, u) if v.dim() == 2 else torch.bmm(v, u)

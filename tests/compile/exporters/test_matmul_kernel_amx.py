@@ -85,6 +85,36 @@ def test_batched_winograd_and_im2col_convs_take_the_kernel(kernel_isa):
     assert np.abs(out - want).max() / np.abs(want).max() < 2e-3
 
 
+def test_rows_off_the_kernels_multiple_are_padded_onto_it(kernel_isa):
+    """An unguided call's 144 Winograd tiles and 144 pixels (SD 2.1's 24² and 12² levels at
+    768²) are not a multiple of the kernel's 32 rows: padded to 160 with zeros, their products
+    go to the kernel as the linears' do, not to iree's matmul over an f32 copy of the weight
+    (2.5 GB more archive at SD 2.1 size); the padding's rows leave no trace in the result."""
+    iree_aot = pytest.importorskip("iree.turbine.aot")
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(64, 96, 3, padding=1),  # 24x24, split from 16: 16 products of 144 rows
+        torch.nn.Conv2d(96, 64, 3, stride=2, padding=1),  # im2col: 12x12 = 144 rows, K 864
+        torch.nn.Conv2d(64, 32, 1),  # 1x1 at 12x12: 144 rows
+    )
+    x = torch.randn(1, 64, 24, 24)
+    exact = model(x).double()
+    set_conv_lowering(model, "winograd", None, "interleaved", 16, "amx")
+    got = model(x)
+    rel = ((got.double() - exact).abs().max() / exact.abs().max()).item()
+    assert 1e-5 < rel < 2e-2  # bf16 operands: rounded, and not far
+    text = str(iree_aot.export(model, args=(x,)).mlir_module)
+    assert text.count("util.call @sdiree_amx_matmul_160x64x96(") == 16
+    assert text.count("util.call @sdiree_amx_matmul_160x864x64b(") == 1
+    assert text.count("util.call @sdiree_amx_matmul_160x64x32b(") == 1
+    assert "linalg.matmul" not in text and "torch.aten.mm" not in text
+    out = run_amx_main(text, x.numpy())
+    if out is None:  # this CPU lacks the kernels' ISA: cross-compiled only
+        return
+    want = got.detach().numpy()
+    assert np.abs(out - want).max() / np.abs(want).max() < 2e-3
+
+
 def test_amx_attention_is_attention_in_bf16_and_odd_key_counts_are_masked():
     from sdiree.compile.exporters import attention_amx
     from sdiree.compile.exporters.amx_matmul import register
