@@ -311,14 +311,14 @@ def check_weight_file(path: Path) -> None:
     download saved (any format); a safetensors file whose header is damaged or whose tensors
     run past its end. Only headers are read."""
     from sdiree.runtime.checkpoints.read import failed_download
-    from sdiree.runtime.checkpoints.safetensors_file import read_safetensors
+    from sdiree.runtime.checkpoints.safetensors_file import checked_header
 
     if not path.is_file():
         raise UserError(f"{path} is missing; {REDOWNLOAD}")
     if problem := failed_download(path):
         raise UserError(problem)
     if path.suffix == ".safetensors":
-        read_safetensors(path)  # maps the file: nothing is read beyond the header
+        checked_header(path)
 
 
 def files_dtype(folder: Path):

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-from sdiree.runtime.checkpoints.safetensors_file import read_header as st_header
-from sdiree.runtime.checkpoints.safetensors_file import read_safetensors
+from sdiree.runtime.checkpoints.safetensors_file import checked_header
 
 from .model_source import weight_files
 
@@ -70,17 +69,14 @@ class FileTensor:
 def read_header(path: Path) -> dict[str, FileTensor]:
     """{key: FileTensor} of one safetensors file, its header checked (UserError where it is
     damaged or the file is cut short)."""
-    read_safetensors(path)  # checks every entry against the file; maps it, reads no tensor
-    header, data_start, _ = st_header(path)
-    out = {}
-    for key, h in header.items():
-        if key == "__metadata__" or h.get("dtype") not in _ST_DTYPES:
-            continue
-        start, end = h["data_offsets"]
-        out[key] = FileTensor(
-            path, data_start + start, end - start, _ST_DTYPES[h["dtype"]], tuple(h["shape"])
+    entries, _, data_start, _ = checked_header(path)
+    return {
+        key: FileTensor(
+            path, data_start + e.begin, e.end - e.begin, _ST_DTYPES[e.dtype_name], e.shape
         )
-    return out
+        for key, e in entries.items()
+        if e.dtype_name in _ST_DTYPES
+    }
 
 
 def _match_key(name: str, keys: dict[str, FileTensor]) -> FileTensor | None:

@@ -16,6 +16,7 @@ import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -98,7 +99,18 @@ def read_header(path: Path) -> tuple[dict, int, int]:
     return header, 8 + n, size
 
 
-def _check_entry(path: Path, name: str, entry) -> tuple[np.dtype, tuple, int, int]:
+class Entry(NamedTuple):
+    """One tensor of a safetensors header, checked: its numpy dtype, shape and byte span in the
+    data section, and the format's name of its dtype."""
+
+    dtype: np.dtype
+    shape: tuple
+    begin: int
+    end: int
+    dtype_name: str
+
+
+def _check_entry(path: Path, name: str, entry) -> Entry:
     if not isinstance(entry, dict):
         raise _bad(path, f"has a damaged header (entry {name!r} is not an object)")
     dtype_name, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
@@ -126,12 +138,12 @@ def _check_entry(path: Path, name: str, entry) -> tuple[np.dtype, tuple, int, in
             f"has a damaged header (tensor {name!r}: {dtype_name} {shape} needs "
             f"{math.prod(shape) * dtype.itemsize} bytes, its offsets span {end - begin})",
         )
-    return dtype, tuple(shape), begin, end
+    return Entry(dtype, tuple(shape), begin, end, dtype_name)
 
 
-def read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """({name: read-only array view of the file}, the header's __metadata__) of a safetensors
-    file, every entry checked first."""
+def checked_header(path: Path) -> tuple[dict[str, Entry], dict[str, str], int, int]:
+    """({name: Entry}, the header's __metadata__, the data section's offset, the file size) of a
+    safetensors file, every entry checked against the file; nothing but the header is read."""
     path = Path(path)
     header, data_start, size = read_header(path)
     metadata = header.pop("__metadata__", None) or {}
@@ -141,26 +153,34 @@ def read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]
         raise _bad(path, "has a damaged header (__metadata__ is not a map of strings)")
     data_size = size - data_start
     entries = {name: _check_entry(path, name, e) for name, e in header.items()}
-    needed = max((e[3] for e in entries.values()), default=0)
+    needed = max((e.end for e in entries.values()), default=0)
     if needed > data_size:
         raise _bad(path, f"is truncated (header says {data_start + needed} bytes, file has {size})")
-    spans = sorted((e[2], e[3], name) for name, e in entries.items() if e[3] > e[2])
+    spans = sorted((e.begin, e.end, name) for name, e in entries.items() if e.end > e.begin)
     for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:], strict=False):
         if begin_b < end_a:
             raise _bad(path, f"has a damaged header (tensors {a!r} and {b!r} overlap)")
+    return entries, dict(metadata), data_start, size
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """({name: read-only array view of the file}, the header's __metadata__) of a safetensors
+    file, every entry checked first."""
+    entries, metadata, data_start, size = checked_header(path)
+    data_size = size - data_start
     tensors: dict[str, np.ndarray] = {}
     if data_size > 0:
         buf = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start, shape=(data_size,))
     else:
         buf = np.zeros(0, dtype=np.uint8)
-    for name, (dtype, shape, begin, end) in entries.items():
+    for name, (dtype, shape, begin, end, _) in entries.items():
         if end == begin:
             arr = np.zeros(shape, dtype=dtype)
             arr.flags.writeable = False
         else:
             arr = buf[begin:end].view(dtype).reshape(shape)
         tensors[name] = arr
-    return tensors, dict(metadata)
+    return tensors, metadata
 
 
 def write_safetensors(

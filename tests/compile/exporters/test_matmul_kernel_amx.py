@@ -57,32 +57,43 @@ def test_exported_split_conv_dispatches_its_products_to_the_kernel(kernel_isa):
     assert np.abs(out - want).max() / np.abs(want).max() < 2e-3
 
 
-def test_batched_winograd_and_im2col_convs_take_the_kernel(kernel_isa):
-    """Below the split side a conv's 16 products are one batched dispatch to the kernel (the
-    grid's third axis); a stride-2 conv's and a 1x1 conv's im2col matmuls go to it too."""
+def _three_convs_on_the_kernel(seed: int, shape: tuple):
+    """A 3x3 conv (Winograd), a stride-2 one and a 1x1 one (im2col), lowered with
+    `matmul_kernel: amx`, on a random input of shape: (their exported MLIR, the input, the eager
+    result), the eager result checked against the exact convs within bf16's rounding."""
     iree_aot = pytest.importorskip("iree.turbine.aot")
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     model = torch.nn.Sequential(
-        torch.nn.Conv2d(64, 96, 3, padding=1),  # 8x8 input: batched Winograd
-        torch.nn.Conv2d(96, 64, 3, stride=2, padding=1),  # im2col: 2x4x4 rows, K 864
-        torch.nn.Conv2d(64, 32, 1),  # 1x1: 32 rows
+        torch.nn.Conv2d(64, 96, 3, padding=1),
+        torch.nn.Conv2d(96, 64, 3, stride=2, padding=1),
+        torch.nn.Conv2d(64, 32, 1),
     )
-    x = torch.randn(2, 64, 8, 8)
+    x = torch.randn(*shape)
     exact = model(x).double()
     set_conv_lowering(model, "winograd", None, "interleaved", 16, "amx")
     got = model(x)
     rel = ((got.double() - exact).abs().max() / exact.abs().max()).item()
     assert 1e-5 < rel < 2e-2  # bf16 operands: rounded, and not far
-    text = str(iree_aot.export(model, args=(x,)).mlir_module)
+    return str(iree_aot.export(model, args=(x,)).mlir_module), x, got.detach().numpy()
+
+
+def _runs_as_eager(text: str, x: torch.Tensor, want: np.ndarray) -> None:
+    out = run_amx_main(text, x.numpy())
+    if out is None:  # this CPU lacks the kernels' ISA: cross-compiled only
+        return
+    assert np.abs(out - want).max() / np.abs(want).max() < 2e-3
+
+
+def test_batched_winograd_and_im2col_convs_take_the_kernel(kernel_isa):
+    """Below the split side a conv's 16 products are one batched dispatch to the kernel (the
+    grid's third axis); a stride-2 conv's and a 1x1 conv's im2col matmuls go to it too."""
+    # 8x8: batched Winograd; im2col 2x4x4 rows, K 864; 1x1 32 rows
+    text, x, want = _three_convs_on_the_kernel(3, (2, 64, 8, 8))
     assert text.count("util.call @sdiree_amx_matmul_16x32x64x96(") == 1  # 16 elements, 2x4x4 tiles
     # the im2col convs' biases start the kernel's accumulators (`b`): no add after them
     assert text.count("util.call @sdiree_amx_matmul_32x864x64b(") == 1
     assert text.count("util.call @sdiree_amx_matmul_32x64x32b(") == 1
-    out = run_amx_main(text, x.numpy())
-    if out is None:  # this CPU lacks the kernels' ISA: cross-compiled only
-        return
-    want = got.detach().numpy()
-    assert np.abs(out - want).max() / np.abs(want).max() < 2e-3
+    _runs_as_eager(text, x, want)
 
 
 def test_rows_off_the_kernels_multiple_are_padded_onto_it(kernel_isa):
@@ -90,29 +101,13 @@ def test_rows_off_the_kernels_multiple_are_padded_onto_it(kernel_isa):
     768²) are not a multiple of the kernel's 32 rows: padded to 160 with zeros, their products
     go to the kernel as the linears' do, not to iree's matmul over an f32 copy of the weight
     (2.5 GB more archive at SD 2.1 size); the padding's rows leave no trace in the result."""
-    iree_aot = pytest.importorskip("iree.turbine.aot")
-    torch.manual_seed(5)
-    model = torch.nn.Sequential(
-        torch.nn.Conv2d(64, 96, 3, padding=1),  # 24x24, split from 16: 16 products of 144 rows
-        torch.nn.Conv2d(96, 64, 3, stride=2, padding=1),  # im2col: 12x12 = 144 rows, K 864
-        torch.nn.Conv2d(64, 32, 1),  # 1x1 at 12x12: 144 rows
-    )
-    x = torch.randn(1, 64, 24, 24)
-    exact = model(x).double()
-    set_conv_lowering(model, "winograd", None, "interleaved", 16, "amx")
-    got = model(x)
-    rel = ((got.double() - exact).abs().max() / exact.abs().max()).item()
-    assert 1e-5 < rel < 2e-2  # bf16 operands: rounded, and not far
-    text = str(iree_aot.export(model, args=(x,)).mlir_module)
+    # 24x24, split from 16: 16 products of 144 rows; im2col and 1x1 at 12x12: 144 rows
+    text, x, want = _three_convs_on_the_kernel(5, (1, 64, 24, 24))
     assert text.count("util.call @sdiree_amx_matmul_160x64x96(") == 16
     assert text.count("util.call @sdiree_amx_matmul_160x864x64b(") == 1
     assert text.count("util.call @sdiree_amx_matmul_160x64x32b(") == 1
     assert "linalg.matmul" not in text and "torch.aten.mm" not in text
-    out = run_amx_main(text, x.numpy())
-    if out is None:  # this CPU lacks the kernels' ISA: cross-compiled only
-        return
-    want = got.detach().numpy()
-    assert np.abs(out - want).max() / np.abs(want).max() < 2e-3
+    _runs_as_eager(text, x, want)
 
 
 def test_amx_attention_is_attention_in_bf16_and_odd_key_counts_are_masked():
