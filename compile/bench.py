@@ -96,7 +96,7 @@ def _require_compile_extra() -> None:
 _require_compile_extra()
 
 # The parts, re-exported here as `sdiree bench`'s API (the tests and peers import them from here).
-from .bench_family import _check_peers_take, bench_calls, bench_inputs, family_spec, figure_outputs  # noqa: E402
+from .bench_family import bench_calls, bench_inputs, family_spec, figure_outputs  # noqa: E402
 from .bench_report import (  # noqa: E402
     _environment,
     _figure_labels,
@@ -271,8 +271,6 @@ def run_bench(opts: BenchOptions, out=None, log=None) -> dict:
         sched, diffusers_sched = "euler", "EulerDiscreteScheduler"
 
     calls = bench_calls(manifest)
-    if peers:
-        _check_peers_take(manifest, calls, peers)
     work = Path(tempfile.mkdtemp(prefix="sdiree-bench-"))
     np.savez(work / "inputs.npz", **bench_inputs(manifest, calls, opts.seed))
     torch_dtype = TORCH_DTYPE[opts.torch_dtype or manifest.dtype]

@@ -87,19 +87,3 @@ def figure_outputs(manifest) -> dict[str, list[str]]:
         "vae_decode": outs("vae_decoder", "decode"),
         "image": ["pixels"],
     }
-
-
-def _check_peers_take(manifest, calls: dict, peers: list[str]) -> None:
-    """Peers' exported models take SD 1.x/2.x's calls (one text encoder, a UNet on latents,
-    timestep and text alone): refuse an artifact whose calls differ, in one line."""
-    from sdiree.runtime.errors import UserError
-
-    from .peers.export import CALLS
-
-    if calls != CALLS:
-        other = sorted(f"{sub}.{fn}" for (sub, fn), v in calls.items() if CALLS.get((sub, fn)) != v)
-        raise UserError(
-            f"--peers {','.join(peers)}: the peers' models take one text encoder and a UNet on "
-            f"latents, timestep and text only, and this {manifest.family} artifact's "
-            f"{', '.join(other)} differ; run sdiree bench without --peers"
-        )

@@ -1,7 +1,8 @@
 """What every peer side shares: the bench's figures on an engine's three models.
 
 A peer side is a bench Side (``imports``, ``__init__(spec)``, ``figures``, ``info``,
-``after_run``) whose engine runs the exported text encoder, guided UNet and VAE decoder. It also
+``after_run``) whose engine runs the exported text encoders (SDXL: both), guided UNet and VAE
+decoder, on the bench's calls and inputs as sdiree's side makes them. It also
 serves as the Session of sdiree's own numpy pipeline (``call(submodule, function, *args)``), so
 its whole-image figure is sdiree's Text2Image (tokenizer, scheduler, guidance) with the engine's
 models: the same steps as sdiree's image, only the three models differ. Like sdiree's side,
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .export import CALLS, FUNCTION, SUBMODULES
+from .export import peer_calls
 
 
 class PeerSide:
@@ -28,15 +29,23 @@ class PeerSide:
         from sdiree.runtime.pipeline import Text2Image
 
         folder = Path(spec["peer_models"]) / self.FORMAT
-        self.models = {sub: self.load(folder, sub) for sub in SUBMODULES}
         manifest = load_manifest(Path(spec["artifact_dir"]))
+        self.calls = peer_calls(manifest)
+        self.models = {sub: self.load(folder, sub) for sub, _ in self.calls}
         t2i = Text2Image(manifest, self)
         req = image_request(manifest, spec)
         x = dict(np.load(spec["inputs"]))
+        calls = {sub: (fn, [x[name] for name in names]) for (sub, fn), names in self.calls.items()}
+        encoders = [sub for sub, (fn, _) in calls.items() if fn == "encode"]
+
+        def call(sub: str) -> list[np.ndarray]:
+            fn, args = calls[sub]
+            return self.call(sub, fn, *args)
+
         self.figures = {
-            "text_encoder": self._figure(x, "text_encoder"),
-            "unet": self._figure(x, "unet"),
-            "vae_decode": self._figure(x, "vae_decoder"),
+            "text_encoder": lambda: [o for sub in encoders for o in call(sub)],
+            "unet": lambda: call("unet"),
+            "vae_decode": lambda: call("vae_decoder"),
             "image": lambda: [to_uint8(t2i.generate(req, progress=None).images)],
         }
         self.info = {
@@ -47,13 +56,9 @@ class PeerSide:
             **self.engine_info(),
         }
 
-    def _figure(self, x: dict, sub: str):
-        args = [x[name] for name in CALLS[(sub, FUNCTION[sub])]]
-        return lambda: self.call(sub, FUNCTION[sub], *args)
-
     def call(self, submodule: str, function: str, *args: np.ndarray) -> list[np.ndarray]:
         """sdiree's Session.call contract: host arrays in, host arrays out (float32 here)."""
-        if FUNCTION.get(submodule) != function:
+        if (submodule, function) not in self.calls:
             raise ValueError(
                 f"the peers' models have no {submodule}.{function}: they time guided calls only "
                 f"(guidance scale above 1)"

@@ -1,11 +1,13 @@
 """The peers' models: the model's diffusers modules exported to ONNX, and that ONNX to OpenVINO IR.
 
-The same entry modules sdiree exports and the bench's torch side calls (TextEncoderEntry, the
-guided UNetEntry, VaeDecodeEntry with the scaling factor), in fp32 with SDPA attention, traced
-at the artifact's static shapes by torch's TorchScript ONNX exporter at opset 17
-(``dynamo=False``: the torch.export one needs onnxscript, which the extra does not bring). Each
-ONNX file keeps its weights in one external data file beside it (``<name>.onnx.data``), as a
-UNet's are over protobuf's 2 GB. OpenVINO's IR is converted from that ONNX, weights kept in f32
+The same entry modules sdiree exports and the bench's torch side calls (TextEncoderEntry with
+its family's hidden states, the guided UNetEntry, VaeDecodeEntry with the scaling factor), one per
+call the bench makes (``bench_family.bench_calls``: SD 1.x/2.x's one text encoder, SDXL's two
+and its UNet's added ``text_embeds`` and ``time_ids``), in fp32 with SDPA attention, traced at the
+artifact's static shapes by torch's TorchScript ONNX exporter at opset 17 (``dynamo=False``: the
+torch.export one needs onnxscript, which the extra does not bring). Each ONNX file keeps its
+weights in one external data file beside it (``<name>.onnx.data``), as a UNet's are over
+protobuf's 2 GB. OpenVINO's IR is converted from that ONNX, weights kept in f32
 (``compress_to_fp16=False``), so both peers run one graph.
 
 Cached in the user's sdiree cache, ``$SDIREE_CACHE/peers/<model hash>-<H>x<W>-b<B>-<shapes
@@ -32,21 +34,24 @@ from sdiree.runtime.fileutil import pid_alive
 
 REVISION = 2  # bump when the exported graphs change: a new cache folder
 OPSET = 17
-SUBMODULES = ("text_encoder", "unet", "vae_decoder")
-# (submodule, function) -> the bench's input arrays, in call order
-CALLS = {
-    ("text_encoder", "encode"): ("text_encoder.inputs_embeds", "text_encoder.eos_index"),
-    ("unet", "denoise_cfg"): ("unet.sample", "unet.timestep", "unet.encoder_hidden_states"),
-    ("vae_decoder", "decode"): ("vae_decode.latents",),
-}
-FUNCTION = {sub: fn for sub, fn in CALLS}
-OUTPUTS = {"text_encoder": 2, "unet": 1, "vae_decoder": 1}  # last hidden state, pooled; ...
 FORMATS = {"onnx": (".onnx",), "openvino": (".xml", ".bin")}
 _TMP_DIR = re.compile(r"^\.(\w+)\.(\d+)\.tmp$")
 
 
-def input_names(submodule: str) -> list[str]:
-    return [a.split(".", 1)[1] for a in CALLS[(submodule, FUNCTION[submodule])]]
+def peer_calls(manifest) -> dict[tuple[str, str], tuple[str, ...]]:
+    """The calls a peer's models serve, with their input names in the bench's inputs file:
+    the bench's own (each text encoder's encode, the guided UNet, the VAE decode)."""
+    from ..bench_family import bench_calls
+
+    return bench_calls(manifest)
+
+
+def submodules(calls: dict) -> list[str]:
+    return [sub for sub, _ in calls]
+
+
+def input_names(names: tuple[str, ...]) -> list[str]:
+    return [a.split(".", 1)[1] for a in names]
 
 
 def models_dir(manifest) -> Path:
@@ -58,7 +63,7 @@ def models_dir(manifest) -> Path:
     img = manifest.image
     shapes = {
         f"{sub}.{fn}": [list(t.shape) for t in manifest.submodules[sub].functions[fn].inputs]
-        for sub, fn in CALLS
+        for sub, fn in peer_calls(manifest)
     }
     key = sha256_json(shapes)[:8]
     model_hash = manifest.data["model"]["content_hash"][:16]
@@ -66,9 +71,9 @@ def models_dir(manifest) -> Path:
     return user_cache_dir() / "peers" / name
 
 
-def complete(folder: Path, fmt: str) -> bool:
+def complete(folder: Path, fmt: str, subs: list[str]) -> bool:
     return all(
-        (folder / fmt / f"{sub}{suffix}").is_file() for sub in SUBMODULES for suffix in FORMATS[fmt]
+        (folder / fmt / f"{sub}{suffix}").is_file() for sub in subs for suffix in FORMATS[fmt]
     )
 
 
@@ -79,8 +84,9 @@ def ensure_models(
     from sdiree.runtime.errors import UserError
 
     folder = models_dir(manifest)
+    subs = submodules(peer_calls(manifest))
     remove_stale_dirs(folder)
-    missing = [f for f in formats if not complete(folder, f)]
+    missing = [f for f in formats if not complete(folder, f, subs)]
     if not missing:
         return folder
     if log:
@@ -90,6 +96,7 @@ def ensure_models(
             flush=True,
         )
     spec = {
+        "artifact_dir": str(manifest.root),
         "model_dir": str(model_dir),
         "inputs": str(inputs),
         "dir": str(folder),
@@ -105,7 +112,7 @@ def ensure_models(
             stdout=f,
             stderr=subprocess.STDOUT,
         )
-    if proc.returncode != 0 or any(not complete(folder, f) for f in missing):
+    if proc.returncode != 0 or any(not complete(folder, f, subs) for f in missing):
         lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
         tail = lines[-1].strip() if lines else "no output"
         raise UserError(
@@ -137,18 +144,19 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _entry(src, sub: str):
-    """The fp32 entry module of a submodule, attention as the bench's torch side sets it."""
+def _entry(src, sub: str, encoders: dict[str, dict]):
+    """The fp32 entry module of a submodule, attention as the bench's torch side sets it; a
+    text encoder's component and hidden states as its family's recipe names them."""
     from diffusers.models.attention_processor import AttnProcessor2_0
 
     from ..exporters.text_encoder import TextEncoderEntry
     from ..exporters.unet import UNetEntry
     from ..exporters.vae import VaeDecodeEntry
 
-    if sub == "text_encoder":
-        m = src.load("text_encoder").float().eval()
+    if sub in encoders:
+        m = src.load(encoders[sub]["component"]).float().eval()
         m.set_attn_implementation("sdpa")
-        return TextEncoderEntry(m)
+        return TextEncoderEntry(m, encoders[sub]["hidden_states"])
     if sub == "unet":
         m = src.load("unet").float().eval()
         m.set_attn_processor(AttnProcessor2_0())
@@ -158,20 +166,23 @@ def _entry(src, sub: str):
     return VaeDecodeEntry(m, m.config.scaling_factor)
 
 
-def export_onnx(model_dir: Path, inputs: dict, out: Path) -> None:
+def export_onnx(model_dir: Path, manifest, inputs: dict, out: Path) -> None:
     import onnx
     import torch
 
+    from ..bench_family import family_spec
     from ..model_source import open_model
 
     src = open_model(model_dir)
+    encoders = {te["submodule"]: te for te in family_spec(manifest)["text_encoders"]}
     raw = out / "raw"
-    for sub in SUBMODULES:
-        entry = _entry(src, sub)
+    for (sub, fn), names in peer_calls(manifest).items():
+        entry = _entry(src, sub, encoders)
         args = []
-        for name in CALLS[(sub, FUNCTION[sub])]:
+        for name in names:
             a = inputs[name]
             args.append(torch.from_numpy(a.astype(np.float32) if a.dtype.kind == "f" else a))
+        outputs = len(manifest.submodules[sub].functions[fn].outputs)
         raw.mkdir(parents=True, exist_ok=True)
         torch.onnx.export(
             entry,
@@ -179,8 +190,8 @@ def export_onnx(model_dir: Path, inputs: dict, out: Path) -> None:
             str(raw / f"{sub}.onnx"),
             dynamo=False,
             opset_version=OPSET,
-            input_names=input_names(sub),
-            output_names=[f"output_{i}" for i in range(OUTPUTS[sub])],
+            input_names=input_names(names),
+            output_names=[f"output_{i}" for i in range(outputs)],
             do_constant_folding=True,
         )
         del entry  # freed before the ONNX weights are loaded: one copy at a time
@@ -200,11 +211,11 @@ def export_onnx(model_dir: Path, inputs: dict, out: Path) -> None:
         print(f"exported {sub}.onnx", flush=True)
 
 
-def convert_openvino(onnx_dir: Path, out: Path) -> None:
+def convert_openvino(onnx_dir: Path, subs: list[str], out: Path) -> None:
     import openvino as ov
 
     out.mkdir(parents=True, exist_ok=True)
-    for sub in SUBMODULES:
+    for sub in subs:
         model = ov.convert_model(str(onnx_dir / f"{sub}.onnx"))
         ov.save_model(model, str(out / f"{sub}.xml"), compress_to_fp16=False)
         del model
@@ -221,20 +232,24 @@ def main(spec_path: Path) -> int:
     folder = Path(spec["dir"])
     folder.mkdir(parents=True, exist_ok=True)
     remove_stale_dirs(folder)
+    from sdiree.runtime.manifest import load_manifest
+
+    manifest = load_manifest(Path(spec["artifact_dir"]))
+    subs = submodules(peer_calls(manifest))
     inputs = dict(np.load(spec["inputs"]))
     for fmt in ("onnx", "openvino"):  # OpenVINO's IR is converted from the ONNX
         if fmt not in spec["formats"] and not (fmt == "onnx" and "openvino" in spec["formats"]):
             continue
-        if complete(folder, fmt):
+        if complete(folder, fmt, subs):
             continue
         tmp = folder / f".{fmt}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             if fmt == "onnx":
                 tmp.mkdir()
-                export_onnx(Path(spec["model_dir"]), inputs, tmp)
+                export_onnx(Path(spec["model_dir"]), manifest, inputs, tmp)
             else:
-                convert_openvino(folder / "onnx", tmp)
+                convert_openvino(folder / "onnx", subs, tmp)
             _publish(tmp, folder / fmt)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""`sdiree bench --peers`: OpenVINO and ONNX Runtime beside sdiree and torch on the tiny model.
+"""`sdiree bench --peers`: OpenVINO and ONNX Runtime beside sdiree and torch on the tiny models.
 
 One bench (1 run, no warm-up, 2 steps) with every peer reuses the session's compiled cpu
 artifact; the peers' models are exported once into the folder beside it. Tolerances: the fp32
@@ -6,7 +6,9 @@ peers run the same fp32 graph as torch in another order of operations, so they a
 rounding grown through the tiny model's layers (seen: ~1e-6 relative on the UNet): 1e-4 is
 verify.py's fp32 gate, with two orders of margin. OpenVINO's default hint is bf16 where the CPU
 has avx512_bf16 or AMX (8-bit mantissa: seen ~2e-2 on the UNet), where verify.py's bf16 gate,
-1e-1, applies.
+1e-1, applies. The tiny SDXL's bench shows the peers take that family's calls too: both text
+encoders (penultimate hidden states, the second's pooled projection) and the UNet's added
+``text_embeds`` and ``time_ids``.
 """
 
 from __future__ import annotations
@@ -72,16 +74,7 @@ def test_peers_have_rows_times_and_parity(peers_bench):
     assert default in ("f32", "bf16")
     if report["environment"]["avx512_bf16"]:
         assert default == "bf16"  # OpenVINO's CPU plugin picks bf16 where the CPU has it
-    for figure in FIGURES:
-        for peer in peers:
-            e = report["figures"][figure]["peers"][peer]
-            assert e["median_s"] > 0 and e["vs_sdiree"] > 0 and e["peak_rss_first_mb"] > 0
-            worst = e["parity"]["worst"]
-            if figure == "image":
-                assert worst["psnr_db"] is None or worst["psnr_db"] > 20, (peer, worst)
-                continue
-            tol = BF16_TOL if report["peers"][peer]["precision"] == "bf16" else FP32_TOL
-            assert 0 <= worst["rel"] < tol, (figure, peer, worst)
+    _check_peer_rows(report, peers)
     fp32_image = report["figures"]["image"]["peers"]["onnxruntime"]["parity"]["worst"]
     assert fp32_image["max_abs"] <= 8  # as sdiree's own fp32 image in test_bench.py
     # the markdown's peers table: one row per figure and peer
@@ -116,6 +109,61 @@ def test_peer_models_are_cached_in_the_user_cache(peers_bench, compiled, compile
         log=log2,
     )
     assert "exporting" in log and "exporting" not in log2.getvalue()
+
+
+def _check_peer_rows(report: dict, peers: list[str]) -> None:
+    """Every figure has every peer's time, memory and parity within its precision's tolerance."""
+    for figure in FIGURES:
+        for peer in peers:
+            e = report["figures"][figure]["peers"][peer]
+            assert e["median_s"] > 0 and e["vs_sdiree"] > 0 and e["peak_rss_first_mb"] > 0
+            worst = e["parity"]["worst"]
+            if figure == "image":
+                assert worst["psnr_db"] is None or worst["psnr_db"] > 20, (peer, worst)
+                continue
+            tol = BF16_TOL if report["peers"][peer]["precision"] == "bf16" else FP32_TOL
+            assert 0 <= worst["rel"] < tol, (figure, peer, worst)
+
+
+@needs_peers
+def test_sdxl_peers_take_both_text_encoders_and_the_added_conditioning(
+    compiled_sdxl, tmp_path_factory
+):
+    art = compiled_sdxl.get("cpu", "host", "fp32")
+    out, log = io.StringIO(), io.StringIO()
+    report = run_bench(
+        BenchOptions(
+            model_dir=compiled_sdxl.model,
+            target="cpu",
+            arch="host",
+            dtype="fp32",
+            out=art,
+            steps=1,
+            runs=1,
+            warmup=0,
+            json_path=tmp_path_factory.mktemp("peers-sdxl") / "report.json",
+            peers="openvino-f32,onnxruntime",
+        ),
+        out=out,
+        log=log,
+    )
+    peers = ["openvino-f32", "onnxruntime"]
+    _check_peer_rows(report, peers)
+    # both encoders' hidden states and pooled outputs, compared under their submodules
+    for peer in peers:
+        outputs = report["figures"]["text_encoder"]["peers"][peer]["parity"]["outputs"]
+        assert len(outputs) == 4 and any(k.startswith("text_encoder_2.") for k in outputs)
+    folder = Path(report["method"]["peer_models"])
+    for sub in ("text_encoder", "text_encoder_2", "unet", "vae_decoder"):
+        assert (folder / "onnx" / f"{sub}.onnx").is_file()
+        assert (folder / "openvino" / f"{sub}.xml").is_file()
+    # the UNet's added conditioning reaches the peers' graphs as inputs, not as constants
+    import onnx
+
+    unet = onnx.load(str(folder / "onnx" / "unet.onnx"), load_external_data=False)
+    assert [i.name for i in unet.graph.input] == [
+        "sample", "timestep", "encoder_hidden_states", "text_embeds", "time_ids"
+    ]  # fmt: skip
 
 
 def test_parse_peers_expands_aliases_and_refuses_unknown_names():
