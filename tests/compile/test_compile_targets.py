@@ -167,10 +167,17 @@ def test_export_choice_differs_by_target(compiled):
     assert vk32["target"]["export"].get("conv", "native") == "native"
     assert cpu32["submodules"]["unet"]["mlir"] != vk32["submodules"]["unet"]["mlir"]
     # the same export choices and export dtype share one exported MLIR (cpu bf16's text
-    # encoder over fp32's); bf16 exports its convolutions as F(2x2,3x3) Winograd, not F(4x4)
-    # (test_winograd_bf16.py), so its UNet and VAE have their own
+    # encoder over fp32's, except on AMX, where bf16's linears take the kernel); bf16 exports
+    # its convolutions as F(2x2,3x3) Winograd, not F(4x4) (test_winograd_bf16.py), so its UNet
+    # and VAE have their own
     bf16 = manifest("cpu", "host", "bf16")
-    assert cpu32["submodules"]["text_encoder"]["mlir"] == bf16["submodules"]["text_encoder"]["mlir"]
+    cpu = load_registry().target("cpu")
+    same = cpu.export_for("text_encoder", "fp32", "host") == cpu.export_for(
+        "text_encoder", "bf16", "host"
+    )
+    te32, te16 = (m["submodules"]["text_encoder"] for m in (cpu32, bf16))
+    assert (te32["mlir"] == te16["mlir"]) == same
+    assert (te16["export"].get("linear") == "amx") == (not same)
     assert bf16["submodules"]["vae_decoder"]["export"]["conv"] == "winograd"
     assert "winograd4_min_side" not in bf16["submodules"]["unet"]["export"]
     for sub in ("unet", "vae_decoder"):
@@ -359,7 +366,8 @@ def test_unets_linears_take_the_kernels_on_an_amx_or_avx512_bf16_cpu(
     the UNet's linears, and the UNet's and the VAE's convs, split Winograd products and attention,
     go to sdiree's kernels (compile/exporters/linear_amx.py, amx_matmul.py), and the UNet runs
     channels-last, fp32 with every operand as two bf16 parts (`amx_operands: bf16x3`, AMX only);
-    the text encoder and other CPUs keep iree's own and NCHW."""
+    bf16 on AMX puts the text encoders' linears on the kernel too (their 77 tokens padded to 96);
+    other CPUs keep iree's own and NCHW."""
     from sdiree.compile.exporters import cpu_requires, kernel_isa
     from sdiree.runtime.targets import load_registry
 
@@ -383,8 +391,14 @@ def test_unets_linears_take_the_kernels_on_an_amx_or_avx512_bf16_cpu(
     needs = cpu_requires(cpu.export_for(sub, dtype, "probe") for sub in subs)
     assert ("amx_tile" in needs) == (isa == "amx")
     assert ("avx512_bf16" in needs) == amx
+    # the text encoders' linears: on AMX in bf16 (~4x faster at SDXL size), iree's elsewhere
+    text_amx = isa == "amx" and dtype == "bf16"
+    for sub in ("text_encoder", "text_encoder_2"):
+        te = cpu.export_for(sub, dtype, "probe")
+        assert (te.get("linear") == "amx") == text_amx, (sub, te)
+        assert ("amx_tile" in cpu_requires([te])) == text_amx
     assert "winograd4_min_side" not in unet or not amx  # its convs on the conv kernel
-    for sub in ("text_encoder", "vae_decoder", "vae_encoder"):
+    for sub in ("vae_decoder", "vae_encoder"):
         assert cpu.export_for(sub, dtype, "probe").get("linear") != "amx"
     assert "matmul_kernel" not in cpu.export_for("text_encoder", dtype, "probe")
     # channels-last concatenations stay on the channels (no transposes around them)

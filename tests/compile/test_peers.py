@@ -232,3 +232,43 @@ def test_stale_export_folders_of_dead_processes_are_removed(tmp_path):
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_killed_export_names_the_signal_not_its_last_warning(tmp_path):
+    from sdiree.compile.peers.export import _failed
+
+    log = tmp_path / "peers-export.log"
+    log.write_text("exported text_encoder.onnx\nTracerWarning: assert hidden_states.shape[1]\n")
+    killed = _failed(-9, log)
+    assert "killed by SIGKILL" in killed and "out of memory" in killed and str(log) in killed
+    assert "TracerWarning" not in killed
+    failed = _failed(1, log)
+    assert "(exit 1): TracerWarning" in failed and str(log) in failed
+
+
+def test_the_export_traces_without_autograd(compiled, monkeypatch, tmp_path):
+    # Traced with grad on, torch keeps every activation for a backward pass: SDXL's UNet
+    # export at 1024² was killed at 24 GB.
+    import torch
+
+    from sdiree.compile.peers import export
+    from sdiree.compile.verify import make_inputs
+    from sdiree.runtime.manifest import load_manifest
+
+    manifest = load_manifest(compiled.get("cpu", "host", "fp32"))
+    inputs = {}
+    for (sub, fn), names in export.peer_calls(manifest).items():
+        inputs.update(zip(names, make_inputs(manifest, sub, fn, 0), strict=True))
+    seen = []
+
+    class Traced(Exception):
+        pass
+
+    def fake_export(module, args, path, **kwargs):
+        seen.append(torch.is_grad_enabled())
+        raise Traced
+
+    monkeypatch.setattr(torch.onnx, "export", fake_export)
+    with pytest.raises(Traced):
+        export.export_onnx(compiled.model, manifest, inputs, tmp_path)
+    assert seen == [False]
