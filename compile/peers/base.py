@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .export import peer_calls
+from ..bench_family import bench_calls
 
 
 class PeerSide:
@@ -30,7 +30,7 @@ class PeerSide:
 
         folder = Path(spec["peer_models"]) / self.FORMAT
         manifest = load_manifest(Path(spec["artifact_dir"]))
-        self.calls = peer_calls(manifest)
+        self.calls = bench_calls(manifest)  # the bench's own calls
         self.models = {sub: self.load(folder, sub) for sub, _ in self.calls}
         t2i = Text2Image(manifest, self)
         req = image_request(manifest, spec)

@@ -32,18 +32,12 @@ import numpy as np
 
 from sdiree.runtime.fileutil import pid_alive
 
+from ..bench_family import bench_calls
+
 REVISION = 2  # bump when the exported graphs change: a new cache folder
 OPSET = 17
 FORMATS = {"onnx": (".onnx",), "openvino": (".xml", ".bin")}
 _TMP_DIR = re.compile(r"^\.(\w+)\.(\d+)\.tmp$")
-
-
-def peer_calls(manifest) -> dict[tuple[str, str], tuple[str, ...]]:
-    """The calls a peer's models serve, with their input names in the bench's inputs file:
-    the bench's own (each text encoder's encode, the guided UNet, the VAE decode)."""
-    from ..bench_family import bench_calls
-
-    return bench_calls(manifest)
 
 
 def submodules(calls: dict) -> list[str]:
@@ -63,7 +57,7 @@ def models_dir(manifest) -> Path:
     img = manifest.image
     shapes = {
         f"{sub}.{fn}": [list(t.shape) for t in manifest.submodules[sub].functions[fn].inputs]
-        for sub, fn in peer_calls(manifest)
+        for sub, fn in bench_calls(manifest)
     }
     key = sha256_json(shapes)[:8]
     model_hash = manifest.data["model"]["content_hash"][:16]
@@ -84,7 +78,7 @@ def ensure_models(
     from sdiree.runtime.errors import UserError
 
     folder = models_dir(manifest)
-    subs = submodules(peer_calls(manifest))
+    subs = submodules(bench_calls(manifest))
     remove_stale_dirs(folder)
     missing = [f for f in formats if not complete(folder, f, subs)]
     if not missing:
@@ -195,7 +189,7 @@ def export_onnx(model_dir: Path, manifest, inputs: dict, out: Path) -> None:
     src = open_model(model_dir)
     encoders = {te["submodule"]: te for te in family_spec(manifest)["text_encoders"]}
     raw = out / "raw"
-    for (sub, fn), names in peer_calls(manifest).items():
+    for (sub, fn), names in bench_calls(manifest).items():
         entry = _entry(src, sub, encoders)
         args = []
         for name in names:
@@ -258,7 +252,7 @@ def main(spec_path: Path) -> int:
     from sdiree.runtime.manifest import load_manifest
 
     manifest = load_manifest(Path(spec["artifact_dir"]))
-    subs = submodules(peer_calls(manifest))
+    subs = submodules(bench_calls(manifest))
     inputs = dict(np.load(spec["inputs"]))
     for fmt in ("onnx", "openvino"):  # OpenVINO's IR is converted from the ONNX
         if fmt not in spec["formats"] and not (fmt == "onnx" and "openvino" in spec["formats"]):

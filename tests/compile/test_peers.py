@@ -35,10 +35,9 @@ FP32_TOL = 1e-4
 BF16_TOL = 1e-1
 
 
-@pytest.fixture(scope="module")
-def peers_bench(compiled, tmp_path_factory):
-    art = compiled.get("cpu", "host", "fp32")
-    path = tmp_path_factory.mktemp("peers") / "report.json"
+def _bench(compiled, path, peers: str, steps: int):
+    """One bench of the session's cpu fp32 artifact with peers (1 run, no warm-up): the
+    report, its markdown and its log."""
     out, log = io.StringIO(), io.StringIO()
     report = run_bench(
         BenchOptions(
@@ -46,17 +45,24 @@ def peers_bench(compiled, tmp_path_factory):
             target="cpu",
             arch="host",
             dtype="fp32",
-            out=art,
-            steps=2,
+            out=compiled.get("cpu", "host", "fp32"),
+            steps=steps,
             runs=1,
             warmup=0,
             json_path=path,
-            peers="openvino,onnxruntime",
+            peers=peers,
         ),
         out=out,
         log=log,
     )
-    return report, out.getvalue(), log.getvalue(), path
+    return report, out.getvalue(), log.getvalue()
+
+
+@pytest.fixture(scope="module")
+def peers_bench(compiled, tmp_path_factory):
+    path = tmp_path_factory.mktemp("peers") / "report.json"
+    report, out, log = _bench(compiled, path, "openvino,onnxruntime", steps=2)
+    return report, out, log, path
 
 
 @needs_peers
@@ -129,24 +135,8 @@ def _check_peer_rows(report: dict, peers: list[str]) -> None:
 def test_sdxl_peers_take_both_text_encoders_and_the_added_conditioning(
     compiled_sdxl, tmp_path_factory
 ):
-    art = compiled_sdxl.get("cpu", "host", "fp32")
-    out, log = io.StringIO(), io.StringIO()
-    report = run_bench(
-        BenchOptions(
-            model_dir=compiled_sdxl.model,
-            target="cpu",
-            arch="host",
-            dtype="fp32",
-            out=art,
-            steps=1,
-            runs=1,
-            warmup=0,
-            json_path=tmp_path_factory.mktemp("peers-sdxl") / "report.json",
-            peers="openvino-f32,onnxruntime",
-        ),
-        out=out,
-        log=log,
-    )
+    path = tmp_path_factory.mktemp("peers-sdxl") / "report.json"
+    report, _, _ = _bench(compiled_sdxl, path, "openvino-f32,onnxruntime", steps=1)
     peers = ["openvino-f32", "onnxruntime"]
     _check_peer_rows(report, peers)
     # both encoders' hidden states and pooled outputs, compared under their submodules
@@ -251,13 +241,14 @@ def test_the_export_traces_without_autograd(compiled, monkeypatch, tmp_path):
     # export at 1024² was killed at 24 GB.
     import torch
 
+    from sdiree.compile.bench_family import bench_calls
     from sdiree.compile.peers import export
     from sdiree.compile.verify import make_inputs
     from sdiree.runtime.manifest import load_manifest
 
     manifest = load_manifest(compiled.get("cpu", "host", "fp32"))
     inputs = {}
-    for (sub, fn), names in export.peer_calls(manifest).items():
+    for (sub, fn), names in bench_calls(manifest).items():
         inputs.update(zip(names, make_inputs(manifest, sub, fn, 0), strict=True))
     seen = []
 
