@@ -3,6 +3,13 @@
 The compiler child never outlives sdiree: on Linux the kernel kills it when its parent dies
 (even by SIGKILL), and an interrupted or terminated compile kills and reaps it before its
 temporary output is removed.
+
+A compiler that stops using CPU altogether is deadlocked, not slow: iree 3.13's tuning-spec
+loader holds a lock while its parser verifies in parallel, and a worker waiting there can pick
+up another executable's configuration pass that waits for the same lock forever (compile/
+NOTES.md; ~1 config-only compile in 60 with `--iree-codegen-tuning-spec-path` on 2 cores, which
+rocm's specs take). Such a compile is killed after STALL_S seconds without any CPU time in its
+whole process tree, and run again; the last try runs single-threaded, where no worker exists.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -23,6 +31,10 @@ from sdiree.runtime.errors import UserError
 from sdiree.runtime.fileutil import atomic_path, atomic_write_bytes, temp_path_for
 
 PR_SET_PDEATHSIG = 1
+STALL_S = 180.0  # seconds without CPU time in the compiler's process tree: a deadlock
+POLL_S = 5.0
+# What each try adds to the command: the same again once, then without threads.
+TRIES = ([], [], ["--mlir-disable-threading"])
 
 
 def iree_compile_tool() -> str:
@@ -73,9 +85,27 @@ def _sigterm_unwinds() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _run(cmd: list[str]) -> tuple[int, str]:
-    """Run cmd, returning its exit status and its stderr and stdout; the child is killed and
-    reaped if this returns by an exception (Ctrl-C, SIGTERM)."""
+def _tree_cpu_ticks(pid: int) -> int | None:
+    """CPU clock ticks used so far by pid and its live descendants (iree-compile may run a
+    linker as a child); None where /proc does not say (not Linux)."""
+    total, todo, seen = 0, [pid], False
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+            seen = True
+            for task in os.listdir(f"/proc/{p}/task"):
+                todo += map(int, Path(f"/proc/{p}/task/{task}/children").read_text().split())
+        except (OSError, ValueError, IndexError):
+            continue
+    return total if seen else None
+
+
+def _run_once(cmd: list[str]) -> tuple[int, str, bool]:
+    """Run cmd: its exit status, its stderr and stdout, and whether it was killed for making no
+    progress. The child is killed and reaped if this returns by an exception (Ctrl-C,
+    SIGTERM)."""
     with _sigterm_unwinds():
         try:
             proc = subprocess.Popen(
@@ -92,12 +122,43 @@ def _run(cmd: list[str]) -> tuple[int, str]:
                 f"cannot run iree-compile ({e}); reinstall the compile extra: {INSTALL_HINT}"
             ) from None
         try:
-            out, err = proc.communicate()
+            ticks, progressed = None, time.monotonic()
+            while True:
+                try:
+                    out, err = proc.communicate(timeout=POLL_S)
+                    return proc.returncode, err + out, False
+                except subprocess.TimeoutExpired:
+                    now = _tree_cpu_ticks(proc.pid)
+                    if now is None or now != ticks:
+                        ticks, progressed = now, time.monotonic()
+                    elif time.monotonic() - progressed >= STALL_S:
+                        proc.kill()
+                        out, err = proc.communicate()
+                        return proc.returncode, err + out, True
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return proc.returncode, err + out
+
+
+def _run(cmd: list[str], mlir: Path) -> tuple[int, str]:
+    """Run cmd, again when it deadlocks (the module docstring); the last try without threads."""
+    for n, extra in enumerate(TRIES, 1):
+        code, output, stalled = _run_once([*cmd, *extra])
+        if not stalled:
+            return code, output
+        if n < len(TRIES):
+            how = " without threads" if TRIES[n] else ""
+            print(
+                f"sdiree: iree-compile used no CPU for {STALL_S:.0f} s on {mlir.name} (an iree "
+                f"deadlock); compiling it again{how}",
+                file=sys.stderr,
+                flush=True,
+            )
+    raise UserError(
+        f"iree-compile stopped making progress on {mlir.name} {len(TRIES)} times, the last "
+        "without threads: look for a process holding the machine (`top`), then compile again"
+    )
 
 
 def compile_mlir(
@@ -134,7 +195,7 @@ def compile_mlir(
 
 
 def _compile_once(mlir: Path, out: Path, flags: list[str], log_path: Path) -> None:
-    code, output = _run([iree_compile_tool(), str(mlir), "-o", str(out), *flags])
+    code, output = _run([iree_compile_tool(), str(mlir), "-o", str(out), *flags], mlir)
     if code < 0:
         raise UserError(_killed_message(mlir, -code, output, log_path))
     if code != 0 or not out.exists():

@@ -169,3 +169,68 @@ def test_stale_temp_folders_are_swept_too(tmp_path):
     live.mkdir()
     assert remove_stale_temps(tmp_path) == [stale]
     assert not stale.exists() and live.is_dir()
+
+
+# A stand-in iree-compile whose first STALLS calls deadlock (alive, no CPU time) and whose later
+# calls compile; each call's arguments go to CALLS, one line each.
+STALLING_TOOL = """#!/bin/sh
+echo "$*" >> "$CALLS"
+if [ $(wc -l < "$CALLS") -le $STALLS ]; then exec sleep 60; fi
+printf vmfb > "$3"
+"""
+
+# One that waits on a child doing the work (as iree-compile on its linker): its own CPU time
+# stays flat for longer than the stall limit while the child's grows.
+BUSY_CHILD_TOOL = """#!/bin/sh
+echo "$*" >> "$CALLS"
+"$PYTHON" -c "import time
+t = time.monotonic()
+while time.monotonic() - t < 2.5:
+    pass"
+printf vmfb > "$3"
+"""
+
+
+def _stall_run(tmp_path, monkeypatch, body: str, stalls: int) -> list[str]:
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("CALLS", str(calls))
+    monkeypatch.setenv("STALLS", str(stalls))
+    monkeypatch.setenv("PYTHON", sys.executable)
+    monkeypatch.setattr(iree_compile, "STALL_S", 1.0)
+    monkeypatch.setattr(iree_compile, "POLL_S", 0.1)
+    monkeypatch.setattr(iree_compile, "iree_compile_tool", lambda: _tool(tmp_path, body))
+    src = tmp_path / "m.mlir"
+    src.write_text(GOOD)
+    try:
+        compile_mlir(src, tmp_path / "m.vmfb", ["--flag"], tmp_path / "m.compile.log")
+    finally:
+        left = [p for p in psutil.Process().children(recursive=True) if "sleep" in p.name()]
+        assert left == [], "a deadlocked compiler was left running"
+    return calls.read_text().splitlines()
+
+
+def test_deadlocked_compiler_is_run_again(tmp_path, monkeypatch, capsys):
+    calls = _stall_run(tmp_path, monkeypatch, STALLING_TOOL, stalls=1)
+    assert (tmp_path / "m.vmfb").read_text() == "vmfb"
+    assert len(calls) == 2 and calls[0] == calls[1] and calls[0].endswith("--flag")
+    (said,) = capsys.readouterr().err.splitlines()
+    assert (
+        "iree-compile used no CPU for 1 s on m.mlir (an iree deadlock); compiling it again" in said
+    )
+
+
+def test_the_last_try_runs_without_threads_and_then_it_is_one_error(tmp_path, monkeypatch, capsys):
+    with pytest.raises(UserError) as info:
+        _stall_run(tmp_path, monkeypatch, STALLING_TOOL, stalls=3)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert [c.endswith("--mlir-disable-threading") for c in calls] == [False, False, True]
+    said = str(info.value)
+    assert "stopped making progress on m.mlir 3 times, the last without threads" in said
+    assert "\n" not in said and not (tmp_path / "m.vmfb").exists()
+    assert capsys.readouterr().err.splitlines()[-1].endswith("compiling it again without threads")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calls", "fake-iree-compile", "m.mlir"]
+
+
+def test_a_compiler_whose_child_works_is_not_stalled(tmp_path, monkeypatch):
+    calls = _stall_run(tmp_path, monkeypatch, BUSY_CHILD_TOOL, stalls=0)
+    assert len(calls) == 1 and (tmp_path / "m.vmfb").read_text() == "vmfb"
