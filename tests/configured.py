@@ -28,6 +28,8 @@ def dump_configurations(art: Path, submodule: str, dump: Path, specs: bool = Tru
     sub = json.loads((art / "manifest.json").read_text())["submodules"][submodule]
     mlir = next(Path(os.environ["SDIREE_CACHE"]).rglob(sub["mlir"]))
     flags = [f for f in sub["flags"] if not f.startswith(DUMP_FLAG)]
+    if any("tuning-spec-path" in f for f in flags):  # can deadlock threaded (iree_compile.py)
+        flags.append("--mlir-disable-threading")
     # a spec no flag names was attached to the module (compile/tuning_embed.py)
     attached = [rel for rel in sub["tuning_specs"] if not any(rel in f for f in sub["flags"])]
     assert len(attached) <= 1, attached
