@@ -160,7 +160,12 @@ def from_bf16(u: np.ndarray) -> np.ndarray:
 def to_bf16(a: np.ndarray) -> np.ndarray:
     """The uint16 bits of float32 a rounded to bf16, to nearest even (as the encoder rounds)."""
     b = np.ascontiguousarray(a, np.float32).view(np.uint32)
-    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+    r = b >> 16  # in place from here: one temporary, not five (the layout check packs GBs)
+    r &= 1
+    r += b
+    r += 0x7FFF
+    r >>= 16
+    return r.astype(np.uint16)
 
 
 @dataclass
@@ -228,8 +233,25 @@ def squeeze(shape) -> tuple[int, ...]:
 # -- codes --------------------------------------------------------------------------------
 def code_words(start: int, stop: int) -> np.ndarray:
     """The uint32 code words of code indices [start, stop) (stop <= CODES)."""
+    if stop <= SPAN or start >= SPAN:  # one side of the sign: consecutive words
+        first = CODE_BASE + start if stop <= SPAN else SIGN + CODE_BASE + start - SPAN
+        return np.arange(first, first + stop - start, dtype=np.uint32)
     i = np.arange(start, stop, dtype=np.int64)
     return np.where(i < SPAN, CODE_BASE + i, SIGN + CODE_BASE + i - SPAN).astype(np.uint32)
+
+
+def code16_digit_words(start: int, stop: int, digit: int) -> np.ndarray:
+    """uint32 words of code indices [start, stop), each holding base-CODES16 digit `digit` of
+    its index as a bf16 code (code16_words) in its high half. Built from one period of the
+    codes (digit 0 cycles through them, digit 1 repeats each CODES16 times), not per element:
+    the coded inputs of a UNet are 1.6G words."""
+    period = _CODE16_HIGH
+    if digit == 0:
+        return np.resize(np.roll(period, -(start % CODES16)), stop - start)
+    unit = CODES16**digit
+    q = np.arange(start // unit, (stop - 1) // unit + 1, dtype=np.int64)
+    counts = np.minimum((q + 1) * unit, stop) - np.maximum(q * unit, start)
+    return np.repeat(period[q % CODES16], counts)
 
 
 def code16_words(i: np.ndarray) -> np.ndarray:
@@ -247,6 +269,12 @@ def code16_index(u: np.ndarray) -> np.ndarray:
     mag = w & (SIGN16 - 1)
     ok = (mag >= CODE16_BASE) & (mag < CODE16_END)
     return np.where(ok, mag - CODE16_BASE + np.where(w >= SIGN16, SPAN16, 0), -1)
+
+
+# code16_index of every uint16 (int32: one gather per unit instead of six passes), and the
+# words of one period of digit codes (code16_digit_words)
+_DIGIT_OF = code16_index(np.arange(1 << 16, dtype=np.uint16)).astype(np.int32)
+_CODE16_HIGH = code16_words(np.arange(CODES16)).astype(np.uint32) << 16
 
 
 def code_index(words: np.ndarray) -> np.ndarray:
@@ -297,12 +325,8 @@ def write_coded_archive(
                 if at + n > CODES:
                     raise ValueError(f"more than {CODES} float32 elements to code")
                 for i in range(0, n, chunk):
-                    if digit is None:
-                        codes = code_words(at + i, at + min(n, i + chunk))
-                    else:
-                        idx = np.arange(at + i, at + min(n, i + chunk), dtype=np.int64)
-                        d = idx // CODES16**digit % CODES16
-                        codes = code16_words(d).astype(np.uint32) << 16
+                    a, b = at + i, at + min(n, i + chunk)
+                    codes = code_words(a, b) if digit is None else code16_digit_words(a, b, digit)
                     _pwrite(fd, codes.view(np.uint8), offsets[key] + 4 * i)
                 bases[key] = at
                 at += n
@@ -337,13 +361,18 @@ class _Units:
         if len(self.runs) == 1:
             return code_index(self.runs[0][a:b])
         lo, hi = (self._digit(r[a:b]) for r in self.runs)
-        none = np.where(self.nonzero(a, b), NONCODE, -1)
-        return np.where((lo >= 0) & (hi >= 0), hi * CODES16 + lo, none)
+        out = hi.astype(np.int64)
+        out *= CODES16
+        out += lo
+        none = (lo < 0) | (hi < 0)
+        out[none] = np.where(self.nonzero(a, b)[none], NONCODE, -1)
+        return out
 
     def _digit(self, u: np.ndarray) -> np.ndarray:
+        """int32 digit of each unit (code16_index), -1 where none."""
         if self.itemsize == 2:
-            return code16_index(u)
-        return np.where((u & 0xFFFF) == 0, code16_index((u >> 16).astype(np.uint16)), -1)
+            return _DIGIT_OF[u]
+        return np.where((u & 0xFFFF) == 0, _DIGIT_OF[u >> 16], -1)
 
 
 class _Decoder:
@@ -354,6 +383,11 @@ class _Decoder:
         self.keys = order
         self.starts = np.array([bases[k] for k in order], np.int64)
         self.sizes = np.array([int(np.prod(shapes[k], dtype=np.int64)) for k in order], np.int64)
+        # the weights' codes are consecutive from 0 (write_coded_archive): a code is some
+        # weight's iff it is below the end of the last
+        ends = self.starts + self.sizes
+        assert not len(order) or (self.starts[0] == 0 and (self.starts[1:] == ends[:-1]).all())
+        self.total = int(ends[-1]) if len(order) else 0
 
     def decode(self, rel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(param index or -1, element index) per code index (-1: none); -1/-1 for none."""
@@ -372,13 +406,17 @@ class _Decoder:
         units."""
         out = np.empty(b - a, np.int32)
         chunk = 1 << 24
+        start, size = int(self.starts[p]), np.uint64(self.sizes[p])
         for c in range(a, b, chunk):
             rel = units.index(c, min(b, c + chunk))
-            pw, ew = self.decode(rel)
-            foreign = np.flatnonzero(((pw != p) & (pw >= 0)) | (rel == NONCODE))
-            stop = int(foreign[0]) if len(foreign) else len(pw)
-            out[c - a : c - a + stop] = np.where(pw[:stop] == p, ew[:stop], PAD)
-            if len(foreign):
+            e = rel - start
+            mine = e.view(np.uint64) < size  # 0 <= e < size
+            # another weight's code, or a unit that is no code nor zero
+            foreign = ~mine & ((rel.view(np.uint64) < np.uint64(self.total)) | (rel == NONCODE))
+            hit = np.flatnonzero(foreign)
+            stop = int(hit[0]) if len(hit) else len(rel)
+            out[c - a : c - a + stop] = np.where(mine[:stop], e[:stop], PAD)
+            if len(hit):
                 return out[: c - a + stop]
         return out
 

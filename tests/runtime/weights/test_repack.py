@@ -73,6 +73,46 @@ def test_bf16_codes_are_exact_bf16_numbers_and_nothing_else_is_one():
     np.testing.assert_array_equal(to_bf16(ties), [0x3F80, 0x3F82, 0x3F81, 0xBF80])  # to even
 
 
+def test_coded_inputs_are_each_elements_code_chunk_by_chunk():
+    """write_coded_archive builds a chunk's codes from one period of them (code16_digit_words)
+    and float32 codes as one arange: the same words as coding element by element, across the
+    sign's boundary and the digits' periods."""
+    C = layout.CODES16
+    for a, b in [(0, 5), (SPAN - 3, SPAN + 3), (SPAN + 9, SPAN + 70000), (1000, 1000 + (1 << 20))]:
+        i = np.arange(a, b, dtype=np.int64)
+        base, sign = layout.CODE_BASE, layout.SIGN
+        want = np.where(i < SPAN, base + i, sign + base + i - SPAN).astype(np.uint32)
+        np.testing.assert_array_equal(code_words(a, b), want)
+        np.testing.assert_array_equal(code_index(want), i)
+    for digit in (0, 1):
+        for a, b in [(0, 3), (C - 2, C + 2), (5 * C + 7, 9 * C + 1), (C * C - C - 5, C * C)]:
+            i = np.arange(a, b, dtype=np.int64)
+            want = code16_words(i // C**digit % C).astype(np.uint32) << 16
+            np.testing.assert_array_equal(layout.code16_digit_words(a, b, digit), want)
+
+
+def test_two_runs_units_decode_as_their_digits_say():
+    """_Units.index of two runs (a table lookup per unit): the code index where both runs hold
+    a digit's code, -1 where both are zero, NONCODE where a unit holds anything else."""
+    rng = np.random.default_rng(3)
+    C = layout.CODES16
+    d = rng.integers(0, C, (2, 4000))
+    runs = [code16_words(x) for x in d]
+    runs[0][:50] = 0  # zero in one run only: something else
+    runs[0][50:100], runs[1][50:100] = 0, 0
+    runs[1][100:150] = rng.integers(0, 0x80, 50)  # subnormal bf16: no code
+    for itemsize in (2, 4):
+        units = [r.view(np.uint8) if itemsize == 2 else (r.astype(np.uint32) << 16).view(np.uint8)
+                 for r in runs]  # fmt: skip
+        got = layout._Units(units, itemsize).index(0, 4000)
+        want = np.where((code16_index(runs[0]) >= 0) & (code16_index(runs[1]) >= 0),
+                        d[1] * C + d[0], layout.NONCODE)  # fmt: skip
+        want[50:100] = -1
+        np.testing.assert_array_equal(got, want)
+    wide = [(r.astype(np.uint32) << 16 | 1).view(np.uint8) for r in runs]  # low half not zero
+    assert (layout._Units(wide, 4).index(0, 4000) == layout.NONCODE).all()
+
+
 def _narrow_runs(pieces, bases):
     """Two runs' coded output of a narrow encoder: (param, element indices or -1, dtype)
     pieces, each element's index as two base-CODES16 digits, in bf16 or float32 units."""
