@@ -404,9 +404,11 @@ class _Decoder:
         """int32 element indices of weight p in units [a, b) (PAD for padding), cut at the first
         code of another weight (FOREIGN ends a region). Decoded in chunks: regions reach 200M
         units."""
+        start, size = int(self.starts[p]), np.uint64(self.sizes[p])
+        if len(units.runs) == 1 and units.itemsize == 4 and (start + size <= SPAN or start >= SPAN):
+            return self._word_elements(units.runs[0], a, b, start, int(size))
         out = np.empty(b - a, np.int32)
         chunk = 1 << 24
-        start, size = int(self.starts[p]), np.uint64(self.sizes[p])
         for c in range(a, b, chunk):
             rel = units.index(c, min(b, c + chunk))
             e = rel - start
@@ -416,6 +418,31 @@ class _Decoder:
             hit = np.flatnonzero(foreign)
             stop = int(hit[0]) if len(hit) else len(rel)
             out[c - a : c - a + stop] = np.where(mine[:stop], e[:stop], PAD)
+            if len(hit):
+                return out[: c - a + stop]
+        return out
+
+    def _word_elements(self, words: np.ndarray, a: int, b: int, start: int, size: int):
+        """elements() of one run's float32 codes (uint32 words) for a weight whose codes are on
+        one side of the sign: its words are then one range of consecutive uint32 values, and
+        every weight's words at most two, so each unit takes a few uint32 range tests instead
+        of code_index's int64 passes (the fp32 UNet's layout decodes GBs)."""
+        first = np.uint32(code_words(start, start + 1)[0])
+        pos = min(self.total, SPAN)  # codes of some weight among the positive floats,
+        neg = max(0, self.total - SPAN)  # and among the negative ones
+        out = np.empty(b - a, np.int32)
+        chunk = 1 << 24
+        for c in range(a, b, chunk):
+            w = words[c : min(b, c + chunk)]
+            e = w - first  # wraps: below `size` only for this weight's words
+            mine = e < size
+            foreign = (w - np.uint32(CODE_BASE)) < pos
+            if neg:
+                foreign |= (w - np.uint32(SIGN + CODE_BASE)) < neg
+            foreign &= ~mine
+            hit = np.flatnonzero(foreign)
+            stop = int(hit[0]) if len(hit) else len(w)
+            out[c - a : c - a + stop] = np.where(mine[:stop], e[:stop].view(np.int32), PAD)
             if len(hit):
                 return out[: c - a + stop]
         return out

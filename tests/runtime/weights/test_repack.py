@@ -113,6 +113,36 @@ def test_two_runs_units_decode_as_their_digits_say():
     assert (layout._Units(wide, 4).index(0, 4000) == layout.NONCODE).all()
 
 
+def test_one_runs_words_decode_as_their_code_indices_say():
+    """_Decoder.elements of float32 codes (by word ranges where the weight's codes are on one
+    side of the sign): each unit's element of the weight or PAD, cut at the first code of
+    another weight, as code_index and the weights' bases say, on either side of the sign."""
+    rng = np.random.default_rng(4)
+    shapes = {"big": (SPAN + 4,), "w": (5000,), "x": (300,)}
+    bases = {"big": 0, "w": SPAN + 4, "x": SPAN + 5004}
+    total = SPAN + 5304
+    decoder = _Decoder(bases, shapes)
+    for trial in range(60):
+        key = ("big", "w", "x")[trial % 3]
+        start, size = bases[key], shapes[key][0]
+        lo = start if key != "big" else SPAN - 100  # big's around the sign
+        own = lo + rng.permutation(min(size, 5000))[: rng.integers(1, 800)]
+        edges = [c for c in (start - 1, start + size) if 0 <= c < total]  # the neighbours'
+        other = np.concatenate([rng.integers(0, layout.CODES, 3), rng.choice(edges, 2)])
+        units = np.concatenate([own, rng.permutation(other), own[:50]])
+        words = np.where(units < SPAN, layout.CODE_BASE + units,
+                         layout.SIGN + layout.CODE_BASE + units - SPAN).astype(np.uint32)  # fmt: skip
+        words[rng.integers(0, len(words), 10)] = 0  # padding
+        rel = code_index(words)
+        is_own = (rel >= start) & (rel < start + size)
+        foreign = np.flatnonzero(~is_own & (rel >= 0) & (rel < total))
+        stop = int(foreign[0]) if len(foreign) else len(words)
+        want = np.where(is_own, rel - start, -1)[:stop]
+        got = decoder.elements(layout._Units([words.view(np.uint8)], 4), 0, len(words),
+                               decoder.keys.index(key))  # fmt: skip
+        np.testing.assert_array_equal(got, want)
+
+
 def _narrow_runs(pieces, bases):
     """Two runs' coded output of a narrow encoder: (param, element indices or -1, dtype)
     pieces, each element's index as two base-CODES16 digits, in bf16 or float32 units."""
