@@ -33,8 +33,9 @@ from sdiree.runtime.fileutil import atomic_path, atomic_write_bytes, temp_path_f
 PR_SET_PDEATHSIG = 1
 STALL_S = 180.0  # seconds without CPU time in the compiler's process tree: a deadlock
 POLL_S = 5.0
+UNTHREADED = ["--mlir-disable-threading"]  # no worker threads: no such deadlock
 # What each try adds to the command: the same again once, then without threads.
-TRIES = ([], [], ["--mlir-disable-threading"])
+TRIES = ([], [], UNTHREADED)
 
 
 def iree_compile_tool() -> str:

@@ -20,7 +20,7 @@ def dump_configurations(art: Path, submodule: str, dump: Path, specs: bool = Tru
     """Dump the configurations of art's submodule into dump (one .mlir per executable), as
     its compile configured them; with specs=False without the tuning spec a target takes in
     the module (compile/tuning_embed.py). Returns dump."""
-    from sdiree.compile.iree_compile import iree_compile_tool
+    from sdiree.compile.iree_compile import UNTHREADED, iree_compile_tool
     from sdiree.compile.tuning_embed import with_spec
     from sdiree.runtime.fileutil import sha256_file
     from sdiree.runtime.targets import load_registry
@@ -29,7 +29,7 @@ def dump_configurations(art: Path, submodule: str, dump: Path, specs: bool = Tru
     mlir = next(Path(os.environ["SDIREE_CACHE"]).rglob(sub["mlir"]))
     flags = [f for f in sub["flags"] if not f.startswith(DUMP_FLAG)]
     if any("tuning-spec-path" in f for f in flags):  # can deadlock threaded (iree_compile.py)
-        flags.append("--mlir-disable-threading")
+        flags += UNTHREADED
     # a spec no flag names was attached to the module (compile/tuning_embed.py)
     attached = [rel for rel in sub["tuning_specs"] if not any(rel in f for f in sub["flags"])]
     assert len(attached) <= 1, attached

@@ -22,6 +22,7 @@ its bf16 rounding, to nearest even, as the encoder does.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -245,7 +246,7 @@ def code16_digit_words(start: int, stop: int, digit: int) -> np.ndarray:
     its index as a bf16 code (code16_words) in its high half. Built from one period of the
     codes (digit 0 cycles through them, digit 1 repeats each CODES16 times), not per element:
     the coded inputs of a UNet are 1.6G words."""
-    period = _CODE16_HIGH
+    period = _code16_high()
     if digit == 0:
         return np.resize(np.roll(period, -(start % CODES16)), stop - start)
     unit = CODES16**digit
@@ -271,10 +272,16 @@ def code16_index(u: np.ndarray) -> np.ndarray:
     return np.where(ok, mag - CODE16_BASE + np.where(w >= SIGN16, SPAN16, 0), -1)
 
 
-# code16_index of every uint16 (int32: one gather per unit instead of six passes), and the
-# words of one period of digit codes (code16_digit_words)
-_DIGIT_OF = code16_index(np.arange(1 << 16, dtype=np.uint16)).astype(np.int32)
-_CODE16_HIGH = code16_words(np.arange(CODES16)).astype(np.uint32) << 16
+@functools.cache
+def _digit_of() -> np.ndarray:
+    """code16_index of every uint16, int32: one gather per unit instead of six passes."""
+    return code16_index(np.arange(1 << 16, dtype=np.uint16)).astype(np.int32)
+
+
+@functools.cache
+def _code16_high() -> np.ndarray:
+    """The words of one period of digit codes (code16_digit_words)."""
+    return code16_words(np.arange(CODES16)).astype(np.uint32) << 16
 
 
 def code_index(words: np.ndarray) -> np.ndarray:
@@ -371,8 +378,8 @@ class _Units:
     def _digit(self, u: np.ndarray) -> np.ndarray:
         """int32 digit of each unit (code16_index), -1 where none."""
         if self.itemsize == 2:
-            return _DIGIT_OF[u]
-        return np.where((u & 0xFFFF) == 0, _DIGIT_OF[u >> 16], -1)
+            return _digit_of()[u]
+        return np.where((u & 0xFFFF) == 0, _digit_of()[u >> 16], -1)
 
 
 class _Decoder:
@@ -404,48 +411,56 @@ class _Decoder:
         """int32 element indices of weight p in units [a, b) (PAD for padding), cut at the first
         code of another weight (FOREIGN ends a region). Decoded in chunks: regions reach 200M
         units."""
-        start, size = int(self.starts[p]), np.uint64(self.sizes[p])
-        if len(units.runs) == 1 and units.itemsize == 4 and (start + size <= SPAN or start >= SPAN):
-            return self._word_elements(units.runs[0], a, b, start, int(size))
+        start, size = int(self.starts[p]), int(self.sizes[p])
+        one_side = start + size <= SPAN or start >= SPAN
+        if len(units.runs) == 1 and units.itemsize == 4 and one_side:
+            classify = self._by_word(units.runs[0], start, size)
+        else:
+            classify = self._by_index(units, start, size)
         out = np.empty(b - a, np.int32)
         chunk = 1 << 24
         for c in range(a, b, chunk):
-            rel = units.index(c, min(b, c + chunk))
-            e = rel - start
-            mine = e.view(np.uint64) < size  # 0 <= e < size
-            # another weight's code, or a unit that is no code nor zero
-            foreign = ~mine & ((rel.view(np.uint64) < np.uint64(self.total)) | (rel == NONCODE))
+            mine, e, foreign = classify(c, min(b, c + chunk))
             hit = np.flatnonzero(foreign)
-            stop = int(hit[0]) if len(hit) else len(rel)
+            stop = int(hit[0]) if len(hit) else len(mine)
             out[c - a : c - a + stop] = np.where(mine[:stop], e[:stop], PAD)
             if len(hit):
                 return out[: c - a + stop]
         return out
 
-    def _word_elements(self, words: np.ndarray, a: int, b: int, start: int, size: int):
-        """elements() of one run's float32 codes (uint32 words) for a weight whose codes are on
+    def _by_index(self, units: _Units, start: int, size: int):
+        """(c, d) -> (units of the weight, their element, another weight's code or a unit that
+        is no code nor zero) for units [c, d), from their code indices."""
+        size, total = np.uint64(size), np.uint64(self.total)
+
+        def classify(c: int, d: int):
+            rel = units.index(c, d)
+            e = rel - start
+            mine = e.view(np.uint64) < size  # 0 <= e < size
+            return mine, e, ~mine & ((rel.view(np.uint64) < total) | (rel == NONCODE))
+
+        return classify
+
+    def _by_word(self, words: np.ndarray, start: int, size: int):
+        """_by_index for one run's float32 codes (uint32 words) of a weight whose codes are on
         one side of the sign: its words are then one range of consecutive uint32 values, and
         every weight's words at most two, so each unit takes a few uint32 range tests instead
         of code_index's int64 passes (the fp32 UNet's layout decodes GBs)."""
         first = np.uint32(code_words(start, start + 1)[0])
         pos = min(self.total, SPAN)  # codes of some weight among the positive floats,
         neg = max(0, self.total - SPAN)  # and among the negative ones
-        out = np.empty(b - a, np.int32)
-        chunk = 1 << 24
-        for c in range(a, b, chunk):
-            w = words[c : min(b, c + chunk)]
+
+        def classify(c: int, d: int):
+            w = words[c:d]
             e = w - first  # wraps: below `size` only for this weight's words
             mine = e < size
             foreign = (w - np.uint32(CODE_BASE)) < pos
             if neg:
                 foreign |= (w - np.uint32(SIGN + CODE_BASE)) < neg
             foreign &= ~mine
-            hit = np.flatnonzero(foreign)
-            stop = int(hit[0]) if len(hit) else len(w)
-            out[c - a : c - a + stop] = np.where(mine[:stop], e[:stop].view(np.int32), PAD)
-            if len(hit):
-                return out[: c - a + stop]
-        return out
+            return mine, e.view(np.int32), foreign
+
+        return classify
 
 
 def merged_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:

@@ -27,6 +27,8 @@ import cuda_conv_sweep as sweep  # noqa: E402
 from cuda_conv_sweep import MARKER, Shape, Tile  # noqa: E402
 from test_rocm_tuning_spec import configurations  # noqa: E402
 
+from sdiree.compile.iree_compile import UNTHREADED  # noqa: E402
+
 TILE = Tile(2, 16, 1, 1, 4)  # 2 warps; no conv of the tiny UNet gets it from the compiler
 
 
@@ -106,11 +108,9 @@ def test_cuda_reads_the_attached_spec_and_ignores_the_flag(compiled, tmp_path):
     spec.write_text(sweep.spec({target: TILE}))
 
     # Single-threaded: the flag's spec still goes through the host (const-eval) executables'
-    # loader, which deadlocks a threaded compile now and then (compile/tuning_embed.py); one
-    # CI run hung here for 600 s, and ~1 compile in 30 hangs on 2 cores.
-    flagged = configured(
-        mlir, [f"--iree-codegen-tuning-spec-path={spec}", "--mlir-disable-threading"], "flagged"
-    )
+    # loader, which deadlocks a threaded compile now and then (compile/iree_compile.py); one
+    # CI run hung here for 600 s, and 3 of ~190 such compiles hung on 2 cores.
+    flagged = configured(mlir, [f"--iree-codegen-tuning-spec-path={spec}", *UNTHREADED], "flagged")
     assert not any(MARKER in t for t in flagged.values())  # iree 3.13: ignored on cuda
     assert {n: _lowering(t) for n, t in flagged.items()} == {
         n: _lowering(t) for n, t in default.items()

@@ -26,13 +26,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 from make_rocm_tuning_spec import FAMILIES, TUNING, render  # noqa: E402
 
+# With the spec flag iree 3.13 can deadlock a threaded compile; sdiree's compile retries such
+# a compile (compile/iree_compile.py), a test's own compile runs single-threaded instead.
+from sdiree.compile.iree_compile import UNTHREADED  # noqa: E402
+
 MARKER = "__tuning_spec_applied__"
 SPECS = {"gfx90a": "rocm_cdna_convs", "gfx942": "rocm_cdna_convs", "gfx1100": "rocm_rdna3_convs"}
 CONV_SUBMODULES = ("unet", "vae_decoder", "vae_encoder")
 INTRINSIC = {"gfx942": "MFMA_F32_16x16x16_F16", "gfx1100": "WMMAR3_F32_16x16x16_F16"}
-# With the spec flag iree 3.13 can deadlock a threaded compile (compile/iree_compile.py, which
-# retries such a compile; a test's own compile does not).
-UNTHREADED = ["--mlir-disable-threading"]
 
 # A stride-2 conv of SD 2.1's 768² UNet (48x48 -> 24x24, 640 channels, guided batch) that also
 # writes its output transposed, as in the UNet; and a 16x16 one, whose width is aligned.

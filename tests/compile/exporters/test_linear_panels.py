@@ -80,7 +80,7 @@ def test_panels_compile_to_the_6x16_tile_with_torchs_results(tmp_path):
     import iree.runtime as rt
     import iree.turbine.aot as aot
 
-    from sdiree.compile.iree_compile import iree_compile_tool
+    from sdiree.compile.iree_compile import UNTHREADED, iree_compile_tool
     from sdiree.runtime.targets import load_registry
 
     torch.manual_seed(1)
@@ -94,7 +94,7 @@ def test_panels_compile_to_the_6x16_tile_with_torchs_results(tmp_path):
     flags = load_registry().target("cpu").compile_flags("x86-64-v3", "fp32", "unet")
     outs, dumps = {}, {}
     # the spec flag can deadlock a threaded compile (compile/iree_compile.py): one thread
-    spec = [f"--iree-codegen-tuning-spec-path={SPEC}", "--mlir-disable-threading"]
+    spec = [f"--iree-codegen-tuning-spec-path={SPEC}", *UNTHREADED]
     for name, extra in (("spec", spec), ("plain", [])):
         dump = tmp_path / f"cfg-{name}"
         vmfb = tmp_path / f"{name}.vmfb"
