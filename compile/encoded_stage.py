@@ -154,7 +154,8 @@ def learn_layout(b: Builder, submodule, encoder, archives, derived, encoded, sco
     LoRA is re-packed in numpy from its first use; nothing saved when it cannot be learned
     (the runtime then runs the encoder)."""
     from sdiree.runtime.weights.encoder import driver_device
-    from sdiree.runtime.weights.layout import BUDGET_ENV, budget_s, narrow_dtype
+    from sdiree.runtime.weights.layout import narrow_dtype
+    from sdiree.runtime.weights.layout_learn import BUDGET_ENV, budget_s
     from sdiree.runtime.weights.repack import learn_layout as learn_packing
 
     from .exporters import scope_for

@@ -22,7 +22,9 @@ import numpy as np
 from ..fileutil import remove_stale_temps, sha256_json, temp_path_for, user_cache_dir
 from .archive import Archive
 from .derived import base_key, derived_weight
-from .layout import BUDGET_ENV, Layout, codable, learn, narrow_dtype, repack
+from .layout import Layout, narrow_dtype, repack
+from .layout_codes import codable
+from .layout_learn import BUDGET_ENV, learn
 from .pages import entry_views, splat_entries
 
 LAYOUT_CACHE = "encoded-layouts"  # under the user cache: <submodule>-<key>.json
@@ -96,7 +98,7 @@ def learn_layout(
     derived_archives: list[Path] = (),
     narrow: bool = False,
 ) -> Layout | None:
-    """layout.learn over a submodule's weights (its archives `own`) and the `derived` ones
+    """layout_learn.learn over a submodule's weights (its archives `own`) and the `derived` ones
     ({key: (shape, dtype)}), read from derived_archives where given (compile), else computed
     from their base weights (run time). None when an archive lacks shapes, no weight is
     float32 or they have more elements than there are codes. `narrow`: the encoder packs
