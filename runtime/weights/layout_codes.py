@@ -7,8 +7,8 @@ weights it packs to bf16, which keeps 16 bits of a code: it runs twice, element 
 65,024 in the first run and x mod 65,023 in the second, each a normal bf16 number (exact
 through the rounding); the two coprime residues name x (MODULI). A run's inputs are then
 periodic: every weight reads its codes from one array of a period and a weight of them, at its
-own offset (residue_inputs): 53 MB of memory for SDXL's UNet instead of a 10.3 GB temp file of
-its weights' size. A bf16 pack's elements are read two bytes at a time, a float32 pack's
+own offset (residue_inputs): 118 MB of memory for SDXL's UNet instead of a 10.3 GB temp file
+of its weights' size. A bf16 pack's elements are read two bytes at a time, a float32 pack's
 (biases) four.
 
 coded_inputs gives the encoder its coded inputs; Units and Decoder read its output back, unit
@@ -167,7 +167,7 @@ def residue_inputs(params, weight, run: int):
     """A narrow encoder's inputs for run `run` (0, 1) as an in-memory rt.ParameterIndex:
     every float32 weight an entry of one array that holds a period of the run's residues
     (residue_words) and as many more as the largest weight has elements, read from its first
-    index's residue on (SDXL's UNet: 53 MB for its 10.3 GB of weights); the other params their
+    index's residue on (SDXL's UNet: 118 MB for its 10.3 GB of weights); the other params their
     real bytes (`weight(key)`)."""
     import iree.runtime as rt
 
