@@ -1,8 +1,9 @@
 """`sdiree compile`: model folder → per-submodule MLIR, parameter archives, vmfbs, manifest.
 
 Stages: load (model folder and its family, configs, content hash), export (one MLIR per
-submodule, shared by every target with the same export choices), parameters (one archive per
-scope and dtype, shared by every target/arch/shape), compile (one vmfb per submodule; where the
+submodule, shared by every target with the same export choices: compile/export_stage.py),
+parameters (one archive per scope and dtype, shared by every target/arch/shape:
+compile/params_stage.py), compile (one vmfb per submodule; where the
 target encodes its parameters, with its encoder and the encoder's output:
 compile/encoded_stage.py), then the archives the runtime loads are linked into the artifact, the
 runtime's tokenizer and scheduler files copied, and the manifest written last. Every stage is
@@ -34,8 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
-import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,7 +43,6 @@ from sdiree.runtime import __version__ as SDIREE_VERSION
 from sdiree.runtime.errors import UserError
 from sdiree.runtime.fileutil import (
     atomic_copy,
-    atomic_path,
     atomic_write_json,
     cached_sha256,
     file_stamp,
@@ -59,8 +57,10 @@ from sdiree.runtime.weights.sources import file_sha256
 
 from .build_cache import CACHED, BuildCache
 from .encoded_stage import add_layout, compile_encoded, encoder_intact, layout_tried
-from .exporters import DERIVED_REVISION, EXPORTER_REVISION, ensure_kernels, kernels_for
+from .export_stage import ExportStage
+from .exporters import ensure_kernels
 from .manifest_writer import build_manifest
+from .params_stage import DISK_FULL, ParamsStage
 from .plan import (  # noqa: F401  (re-exported: callers import the compile API from here)
     CACHE_ENV,
     MAX_SIDE,
@@ -76,14 +76,6 @@ from .report import Reporter
 
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
 BUILD_STATE = ".build-state.json"
-# Config entries that say where, by which version or in which dtype a model's files were
-# written, not what it computes: the export casts the (placeholder) weights to its own dtype
-CONFIG_METADATA = (
-    "_name_or_path", "_diffusers_version", "transformers_version", "_commit_hash", "torch_dtype",
-    "dtype",
-)  # fmt: skip
-# How a full disk reads where it does not come as an OSError (iree's archive writer, iree-compile)
-_DISK_FULL = re.compile(r"no space left on device|out of disk space|disk quota exceeded", re.I)
 
 
 def _versions() -> dict:
@@ -93,7 +85,11 @@ def _versions() -> dict:
     return {"sdiree": SDIREE_VERSION, **{n: version(n) for n in names}}
 
 
-class Builder:
+class Builder(ExportStage, ParamsStage):
+    """One compile's stages over its plan: export (export_stage.py), parameters
+    (params_stage.py), compile and encode (here and compile/encoded_stage.py), and the
+    artifact's archives linked and pruned."""
+
     def __init__(self, plan: Plan, reporter: Reporter):
         self.plan = plan
         self.r = reporter
@@ -106,89 +102,6 @@ class Builder:
         # sha256 of the artifact's files by name, trusted while their stamp holds (HASH_CACHE)
         self.verified = read_json_dict(plan.out / HASH_CACHE)
 
-    # -- keys ---------------------------------------------------------------------------
-    def export_options(self, submodule: str) -> dict:
-        return self.plan.target.export_for(submodule, self.plan.dtype, self.plan.arch)
-
-    def export_key(self, submodule: str) -> str:
-        return sha256_json({"model": self.model_hash, **self._export_inputs(submodule)})
-
-    def _export_inputs(self, submodule: str) -> dict:
-        """What submodule's export depends on besides the model."""
-        p = self.plan
-        return {
-            "submodule": submodule,
-            "dtype": p.export_dtype,
-            "shape": [p.batch_size, p.height, p.width],
-            # more sizes (`--sizes`): the UNet's and VAE's entry functions for them
-            **(
-                {"sizes": [list(hw) for hw in p.extra_sizes]}
-                if p.extra_sizes and submodule != "text_encoder"
-                else {}
-            ),
-            # the VAE is exported at its tile size where it tiles
-            **({"vae_tile": p.vae_tile} if submodule.startswith("vae") and p.vae_tiled else {}),
-            "export": self.export_options(submodule),
-            **({"kernels": k} if (k := kernels_for(self.export_options(submodule))) else {}),
-            "exporter_revision": EXPORTER_REVISION,
-            "versions": self.versions,
-        }
-
-    def architecture_key(self, submodule: str, xplan) -> str:
-        """The key of submodule's export in the export cache (compile/build_cache.py): the
-        same for every model of this architecture, whose export is the same MLIR. The model
-        enters by its configs (file metadata aside), its parameters' names, dtypes and shapes,
-        and the values of whatever the export sees that is not a shape-only placeholder."""
-        import hashlib
-
-        import torch
-
-        from .exporters import COMPONENTS
-        from .placeholders import is_placeholder
-
-        state = []
-        for name, t in xplan.params_module.state_dict(keep_vars=True).items():
-            value = None
-            if not is_placeholder(t):
-                raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-                value = hashlib.sha256(raw.tobytes()).hexdigest()
-            state.append([name, str(t.dtype), list(t.shape), value])
-        # the configs the submodule's exporter reads: the UNet's reads the text encoders' too
-        prefix = {"unet": ""}.get(COMPONENTS[submodule], COMPONENTS[submodule].removesuffix("_2"))
-        configs = {
-            c: {k: v for k, v in cfg.items() if k not in CONFIG_METADATA}
-            for c, cfg in self.plan.configs.items()
-            if c.startswith(prefix) and c not in ("scheduler", "tokenizer", "tokenizer_2")
-        }
-        return sha256_json(
-            {
-                "export_cache": 1,
-                **self._export_inputs(submodule),
-                "family": self.plan.family.name,
-                "configs": configs,
-                "state": state,
-            }
-        )
-
-    def mlir_path(self, submodule: str) -> Path:
-        return self.plan.shared / "mlir" / f"{submodule}-{self.export_key(submodule)[:16]}.mlirbc"
-
-    def params_dir(self) -> Path:
-        p = self.plan
-        return p.shared / "params" / f"{self.model_hash[:16]}-{p.export_dtype}"
-
-    def params_path(self, scope: str, derived: str | None = None) -> Path:
-        """The shared archive of scope (the model's own weights), or with derived its archive of
-        weights computed at export (e.g. `unet.winograd2.irpa`). The artifact holds a link to
-        it under the same name."""
-        name = f"{scope}.{derived}.irpa" if derived else f"{scope}.irpa"
-        return self.params_dir() / name
-
-    @staticmethod
-    def is_derived(archive: Path) -> bool:
-        """Whether archive, named by params_path, holds weights derived at export."""
-        return archive.name.count(".") > 1
-
     def written_dirs(self) -> list[Path]:
         """Every directory compile writes into, where a killed compile may have left temps."""
         out, shared = self.plan.out, self.plan.shared
@@ -197,181 +110,6 @@ class Builder:
             self.modules.dir,
             self.exports.dir,
         ]
-
-    # -- torch side, loaded only when something must be exported -------------------------
-    def torch_model(self, component: str):
-        """The component's model with placeholder parameters (compile/placeholders.py): the
-        export needs only their shapes, and the archives read the weights from the model's
-        files one at a time (`weight_source`), so no stage holds them all."""
-        if component not in self._torch_models:
-            from .placeholders import casts_stay_placeholders, replace_parameters
-            from .weight_source import WeightSource
-
-            with self.r.stage("load", component):
-                import torch
-
-                replaced = component == "vae" and self.plan.vae_file is not None
-                # --vae's weights are loaded into the model: in float32, never rounded
-                model = self.plan.model.load(component, torch.float32 if replaced else None)
-                folder = self.plan.model.path / component
-                if replaced:
-                    _replace_vae(model, self.plan.vae_file)
-                    folder = None  # the weights are --vae's, in memory
-                self._sources[component] = WeightSource.capture(model, folder)
-                replace_parameters(model)
-                # float32, as the plan and export expect (they cast to the compile's dtype
-                # themselves): loaded in its files' dtype, the casts make placeholders only
-                with casts_stay_placeholders():
-                    model.to(torch.float32)
-                self._torch_models[component] = model
-        return self._torch_models[component]
-
-    def weight_source(self, component: str):
-        self.torch_model(component)
-        return self._sources[component]
-
-    def export_plan(self, submodule: str):
-        if submodule in self._plans:
-            return self._plans[submodule]
-        from .exporters import plan_for
-        from .placeholders import casts_stay_placeholders
-
-        with casts_stay_placeholders():
-            self._plans[submodule] = plan_for(self, submodule)
-        return self._plans[submodule]
-
-    def release_torch(self, submodule: str, later: tuple[str, ...]) -> None:
-        """Drop submodule's torch model once exported and saved, unless a later submodule
-        shares it (the VAE): iree-compile and the encoder need the memory more."""
-        import gc
-
-        from .exporters import COMPONENTS
-
-        self._plans.pop(submodule, None)
-        component = COMPONENTS[submodule]
-        if all(COMPONENTS[s] != component for s in later):
-            self._torch_models.pop(component, None)
-            self._sources.pop(component, None)
-            gc.collect()
-
-    # -- stages ------------------------------------------------------------------------
-    def ensure_mlir(self, submodule: str) -> Path:
-        path = self.mlir_path(submodule)
-        if path.is_file() and self.signature_path(submodule).is_file():
-            self.r.reused("export", submodule)
-            return path
-        from .exporters import kernel_isa
-        from .exporters.amx_matmul import set_kernel_isa
-        from .exporters.base import export_to_mlir
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        xplan = self.export_plan(submodule)
-        parts = {"mlirbc": path, "json": self.signature_path(submodule)}
-        key = self.architecture_key(submodule, xplan)
-        if self.exports.fetch(key, parts) is not None:
-            self.r.reused("export", submodule, "exported before for a model of this architecture")
-            return path
-        with self.r.stage("export", submodule):
-            # the kernel objects its kernel ops link (export choice `kernel_isa`)
-            set_kernel_isa(kernel_isa(self.export_options(submodule)))
-            with atomic_path(path) as tmp:
-                export_to_mlir(xplan, tmp)
-            sidecar = {"functions": xplan.signature_json(), "derived": xplan.derived}
-            atomic_write_json(self.signature_path(submodule), sidecar)
-        self.exports.store(key, parts)
-        return path
-
-    def signature_path(self, submodule: str) -> Path:
-        return self.mlir_path(submodule).with_suffix(".json")
-
-    def export_signature(self, submodule: str) -> dict:
-        """Entry functions of an exported submodule, saved beside its MLIR at export time."""
-        return json.loads(self.signature_path(submodule).read_text())["functions"]
-
-    def param_archives(self, submodule: str) -> list[Path]:
-        """The archives submodule's MLIR reads (scope `scope_for(submodule)`): the shared one,
-        then the one of weights derived at export, if its export made any."""
-        from .exporters import scope_for
-
-        derived = json.loads(self.signature_path(submodule).read_text()).get("derived")
-        scope = scope_for(submodule)
-        return [self.params_path(scope)] + ([self.params_path(scope, derived)] if derived else [])
-
-    @staticmethod
-    def digest_path(archive: Path) -> Path:
-        return archive.with_suffix(".irpa.sha256")
-
-    def recorded_digest(self, archive: Path) -> tuple[str, list | None]:
-        """(sha256 recorded when archive was written, its file stamp then); ("", None) if none,
-        or if archive holds derived weights computed by an older revision (written again).
-        An older sdiree wrote the bare digest: it is re-verified once."""
-        try:
-            text = self.digest_path(archive).read_text()
-        except OSError:
-            return "", None
-        with contextlib.suppress(ValueError):
-            d = json.loads(text)
-            if isinstance(d, dict):
-                if self.is_derived(archive) and d.get("derived_revision") != DERIVED_REVISION:
-                    return "", None
-                return str(d.get("sha256", "")), d.get("stamp")
-        return ("", None) if self.is_derived(archive) else (text.strip(), None)
-
-    def record_digest(self, archive: Path, digest: str) -> None:
-        record = {"sha256": digest, "stamp": file_stamp(archive)}
-        if self.is_derived(archive):
-            record["derived_revision"] = DERIVED_REVISION
-        atomic_write_json(self.digest_path(archive), record)
-
-    def params_digests(self, submodule: str) -> list[str]:
-        """The recorded sha256 of each of submodule's archives ("" where not written yet)."""
-        return [self.recorded_digest(a)[0] for a in self.param_archives(submodule)]
-
-    def archive_intact(self, archive: Path) -> str:
-        """archive's recorded sha256 if the file still has it, else "": checked by its stamp
-        (size, mtime, ctime, inode), hashing again only when that changed."""
-        digest, stamp = self.recorded_digest(archive)
-        if not digest or not archive.is_file():
-            return ""
-        if stamp == file_stamp(archive):
-            return digest
-        if sha256_file(archive) != digest:
-            self.r.say(f"{archive} is truncated or changed since it was written: writing it again")
-            return ""
-        self.record_digest(archive, digest)
-        return digest
-
-    def ensure_params(self, submodule: str) -> list[tuple[Path, str]]:
-        """Write whichever of submodule's archives are missing or damaged; [(path, sha256)]."""
-        from .exporters import COMPONENTS
-        from .exporters.base import save_parameters
-
-        out = []
-        for i, path in enumerate(self.param_archives(submodule)):
-            digest = self.archive_intact(path)
-            if digest:
-                self.r.reused("parameters", path.stem, "shared archive exists")
-                out.append((path, digest))
-                continue
-            path.parent.mkdir(parents=True, exist_ok=True)
-            xplan = self.export_plan(submodule)
-            with self.r.stage("parameters", path.stem):
-                with atomic_path(path) as tmp:
-                    try:
-                        save_parameters(
-                            xplan.params_module,
-                            tmp,
-                            derived=i > 0,
-                            source=self.weight_source(COMPONENTS[submodule]),
-                        )
-                    except RuntimeError as e:
-                        if _DISK_FULL.search(str(e)):
-                            raise OSError(errno.ENOSPC, str(e), str(path)) from None
-                        raise
-                digest = sha256_file(path)
-                self.record_digest(path, digest)
-            out.append((path, digest))
-        return out
 
     def link_archives(self, params: list[tuple[Path, str]], state: dict) -> list[tuple[Path, str]]:
         """Put the shared archives the runtime loads into the artifact (hardlinks, or copies
@@ -537,18 +275,6 @@ class Builder:
         return path.is_file() and cached_sha256(path, path.name, self.verified) == digest
 
 
-def _replace_vae(model, path: Path) -> None:
-    """Load --vae's weights into the model's VAE, every tensor checked by key and shape."""
-    import numpy as np
-    import torch
-
-    from sdiree.runtime.weights.sources import match_component, read_vae_file
-
-    targets = {k: (tuple(v.shape), np.dtype(np.float32)) for k, v in model.state_dict().items()}
-    given = match_component("vae", read_vae_file(path), targets, f"--vae {path}")
-    model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in given.items()})
-
-
 def compile_model(opts: CompileOptions, reporter: Reporter | None = None) -> Path:
     """Build (or bring up to date) one artifact directory; returns its manifest path."""
     r = reporter or Reporter()
@@ -636,7 +362,7 @@ def _disk_full_is_user_error(plan: Plan) -> Iterator[None]:
     except (OSError, RuntimeError, UserError) as e:
         if isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        if not isinstance(e, OSError) and not _DISK_FULL.search(str(e)):
+        if not isinstance(e, OSError) and not DISK_FULL.search(str(e)):
             raise
         # a copy that fails names its source first and the file it was writing second
         written = getattr(e, "filename2", None) or getattr(e, "filename", None)

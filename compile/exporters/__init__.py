@@ -40,9 +40,9 @@ from sdiree.runtime.registry_schema import UNET_ONLY_EXPORT
 # whose rows are not a multiple of 32 padded onto the AMX kernel, as the linears' were.
 EXPORTER_REVISION = 22
 # Bumped when weights derived at export (Winograd) are computed differently, so that cached
-# derived archives written before are written again (compile/driver.py). 2: rounded once to the
-# export dtype; before, an fp16 file compiled in fp32 had its transformed weights rounded to fp16
-# first (relative error ~1e-3, and no exact read-back for pruning).
+# derived archives written before are written again (compile/params_stage.py). 2: rounded once
+# to the export dtype; before, an fp16 file compiled in fp32 had its transformed weights rounded
+# to fp16 first (relative error ~1e-3, and no exact read-back for pruning).
 DERIVED_REVISION = 2
 
 SCOPES = {
