@@ -7,6 +7,7 @@ numpy. The driver's Builder (compile/driver.py) calls it with itself."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -139,6 +140,15 @@ def add_layout(b: Builder, submodule: str, enc: dict, archives: list[Path]) -> N
             "it runs the encoder"
         )
         return
+    need, free = _layout_disk(b, enc, archives)
+    if need > free:  # not marked tried: the next compile learns it
+        b.r.say(
+            f"{submodule}: its layout is not learned now: that takes ~{need / 2**30:.1f} GiB of "
+            f"temp disk in {out}, {free / 2**30:.1f} GiB free there. The artifact works "
+            "without it (its original archive kept whole, a LoRA on it runs the encoder); "
+            "free space and compile again to learn it"
+        )
+        return
     with b.r.stage("layout", submodule):
         learn_layout(
             b, submodule, out / encoder["vmfb"], archives, encoder["derived"],
@@ -147,6 +157,21 @@ def add_layout(b: Builder, submodule: str, enc: dict, archives: list[Path]) -> N
     encoder["layout_tried"] = True
     if layout.is_file():
         encoder.update(layout=layout.name, layout_sha256=sha256_file(layout))
+
+
+def _layout_disk(b: Builder, enc: dict, archives: list[Path]) -> tuple[int, int]:
+    """(temp disk learning enc's layout takes, free disk where it is written), in bytes."""
+    from sdiree.runtime.weights.layout import narrow_dtype
+    from sdiree.runtime.weights.repack import learning_disk
+
+    derived = {k: (v["shape"], v["dtype"]) for k, v in enc["encoder"]["derived"].items()}
+    encoded = b.plan.out / enc["path"]
+    need = learning_disk(archives[:1], derived, encoded, narrow_dtype(b.plan.dtype))
+    return need, _free_bytes(b.plan.out)
+
+
+def _free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
 
 
 def learn_layout(b: Builder, submodule, encoder, archives, derived, encoded, scope, layout):

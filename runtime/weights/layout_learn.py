@@ -251,6 +251,16 @@ def _run_of(decoder: Decoder, units: Units, j: int, p: int) -> int:
     return units.n - j
 
 
+def temp_disk(encoded: Path, coded_elements: int, narrow: bool) -> int:
+    """Bytes of temp files that learn() writes beside work at its peak: each run's raw coded
+    output (encoded's original entries), and one run's coded archive (4 bytes a coded element;
+    a narrow encoder's runs read theirs from memory), with 1 % and 64 MiB to spare."""
+    from .pages import raw_size
+
+    need = raw_size(encoded) * (2 if narrow else 1) + (0 if narrow else 4 * coded_elements)
+    return need + need // 100 + (64 << 20)
+
+
 def learn(
     encoder_vmfb: Path,
     in_scope: str,

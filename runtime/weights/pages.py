@@ -234,6 +234,19 @@ def paged_layout(index) -> dict | None:
     return None
 
 
+def raw_size(path: Path) -> int:
+    """Bytes of the data entries of the archive at path as the encoder writes them: a paged
+    archive's original entries, not its distinct pages."""
+    import iree.runtime as rt
+
+    index = rt.ParameterIndex()
+    index.load(str(path))
+    paged = paged_layout(index)
+    if paged is not None:
+        return sum(int(e["length"]) for e in paged["entries"].values())
+    return sum(int(e.length) for _, e in index.items() if not e.is_splat)
+
+
 def load_archive(index, path: Path) -> None:
     """Add the entries of the archive at path to index: an ordinary archive as iree loads it,
     a paged one as its original entries, each over its pages mapped from the file."""

@@ -13,6 +13,7 @@ the caller runs the encoder instead.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,7 @@ from .archive import Archive
 from .derived import base_key, derived_weight
 from .layout import Layout, narrow_dtype, repack
 from .layout_codes import codable
-from .layout_learn import BUDGET_ENV, learn
+from .layout_learn import BUDGET_ENV, learn, temp_disk
 from .pages import entry_views, splat_entries
 
 LAYOUT_CACHE = "encoded-layouts"  # under the user cache: <submodule>-<key>.json
@@ -59,9 +60,18 @@ def layout_for(manifest, name: str, device, report: Callable[[str], None]) -> La
     if layout is not None and layout.settled:
         return layout  # else an older learner's incomplete one (a bf16 artifact's): again
     own = [manifest.path(p) for p, s in sub.archives() if s == sub.scope]
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    narrow = narrow_dtype(manifest.dtype)
+    need, free = learning_disk(own, sub.encoder.derived, encoded, narrow), _free_bytes(cache.parent)
+    if need > free:
+        report(
+            f"{name}: not learning how the encoder packs its weights: that takes "
+            f"~{need / 2**30:.1f} GiB of temp disk in {cache.parent}, {free / 2**30:.1f} GiB "
+            "free there; the encoder runs instead"
+        )
+        return None
     report(f"{name}: learning how the encoder packs its weights (once per artifact)")
     t0 = time.perf_counter()
-    cache.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(cache.parent)
     layout = learn_layout(
         manifest.path(sub.encoder.vmfb),
@@ -72,7 +82,7 @@ def layout_for(manifest, name: str, device, report: Callable[[str], None]) -> La
         sub.encoder.scope,
         device,
         temp_path_for(cache.with_suffix(".irpa")),
-        narrow=narrow_dtype(manifest.dtype),
+        narrow=narrow,
     )
     if layout is None:
         return None
@@ -84,6 +94,25 @@ def layout_for(manifest, name: str, device, report: Callable[[str], None]) -> La
         f"{f', given up past {BUDGET_ENV}' if layout.gave_up else ''})"
     )
     return layout
+
+
+def learning_disk(own: list[Path], derived: dict, encoded: Path, narrow: bool) -> int:
+    """The temp disk (bytes) learning the layout of encoded takes (layout_learn.temp_disk), for
+    the weights of the archives `own` and the `derived` ones ({key: (shape, dtype)})."""
+    n = sum(
+        int(np.prod(e.shape, dtype=np.int64))
+        for p in own
+        for e in Archive(p).entries.values()
+        if e.dtype == np.float32
+    )
+    n += sum(
+        int(np.prod(s, dtype=np.int64)) for s, d in derived.values() if np.dtype(d) == np.float32
+    )
+    return temp_disk(encoded, n, narrow)
+
+
+def _free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
 
 
 def learn_layout(

@@ -187,6 +187,32 @@ def test_a_compile_stopped_while_learning_a_layout_resumes_there(compiled, tmp_p
     check_files(load_manifest(out))
 
 
+def test_a_layout_without_the_temp_disk_it_takes_is_left_for_a_later_compile(
+    compiled, tmp_path, monkeypatch
+):
+    """Learning a layout writes coded copies of the encoded weights (SDXL bf16: ~21 GB): with
+    less disk free than it takes, compile says so, goes on and makes a working artifact without
+    the layout (its archive not pruned), and the next compile with the disk learns it."""
+    from llvm_cpu import host_fp32_splits
+
+    compiled.get("cpu", "host", "fp32")  # the shared exports and archives exist
+    out = tmp_path / "cpu-short"
+    sub = "text_encoder" if host_fp32_splits() else "unet"  # one that learns a layout
+    monkeypatch.setattr(encoded_stage, "_free_bytes", lambda path: 1 << 20)
+    ran, log = recompile(compiled.model, out)
+    assert f"{sub}: its layout is not learned now: that takes ~" in log
+    assert "0.0 GiB free there" in log
+    assert not list(out.glob("*.layout.json")) and not {s for s, _ in ran} & {"layout", "prune"}
+    m = load_manifest(out)
+    check_files(m)
+    assert m.submodules[sub].encoder.layout is None
+    monkeypatch.undo()
+    ran, _ = recompile(compiled.model, out)
+    assert ("layout", sub) in ran and not {("compile", sub), ("encode", sub)} & ran
+    assert (out / f"{sub}.layout.json").is_file()
+    check_files(load_manifest(out))
+
+
 def test_sdxl_recompile_is_a_noop_and_a_flag_change_recompiles_only_its_submodule(
     compiled_sdxl, tmp_path
 ):

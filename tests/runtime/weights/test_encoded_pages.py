@@ -53,6 +53,8 @@ def test_repeated_pages_are_stored_once_and_read_back_exactly(tmp_path):
     np.testing.assert_array_equal(views["y"], y)
     assert not views["x"].flags.writeable
     assert [k for k, _, _ in pages.splat_entries(out)] == ["s"]
+    # what the encoder writes (learning a layout's temp disk): the data entries, not the pages
+    assert pages.raw_size(out) == pages.raw_size(raw) == len(x) + len(y) > out.stat().st_size
     private = entry_views(out, private=True)["x"]
     private[:4] = 0  # copy-on-write: the file keeps its bytes
     np.testing.assert_array_equal(entry_views(out)["x"], x)

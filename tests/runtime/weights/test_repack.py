@@ -108,6 +108,17 @@ def test_a_lora_repacked_in_numpy_makes_the_encoder_paths_image(
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # nothing written
 
 
+def _without_layouts(art, old):
+    """A copy of art as compiled before layouts were learned at compile: none in its manifest."""
+    shutil.copytree(art, old)
+    data = json.loads((old / "manifest.json").read_text())
+    for sub in data["submodules"].values():
+        if sub.get("encoder", {}).pop("layout", None):
+            data["files"].pop(f"{sub['vmfb'][: -len('.vmfb')]}.layout.json")
+    (old / "manifest.json").write_text(json.dumps(data))
+    return old
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_the_compile_learns_each_lora_submodules_layout_and_the_runtime_the_same(
     compiled, monkeypatch, tmp_path, capsys, dtype
@@ -129,13 +140,7 @@ def test_the_compile_learns_each_lora_submodules_layout_and_the_runtime_the_same
     assert packs == ({"f32"} if dtype == "fp32" else packs & {"f32", "bf16"})
     if dtype == "bf16" and "avx512_bf16" in host_cpu_features():
         assert "bf16" in packs
-    old = tmp_path / "old"
-    shutil.copytree(art, old)
-    data = json.loads((old / "manifest.json").read_text())
-    for sub in data["submodules"].values():
-        if sub.get("encoder", {}).pop("layout", None):
-            data["files"].pop(f"{sub['vmfb'][: -len('.vmfb')]}.layout.json")
-    (old / "manifest.json").write_text(json.dumps(data))
+    old = _without_layouts(art, tmp_path / "old")
     monkeypatch.setenv("SDIREE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv(repack.SHARE_ENV, "1")
     lora = _lora_like(art)
@@ -155,6 +160,26 @@ def test_the_compile_learns_each_lora_submodules_layout_and_the_runtime_the_same
     np.testing.assert_array_equal(_image(old, lora), fast)
     assert "unet: learning how the encoder packs" in capsys.readouterr().err
     assert Layout.load(learned).complete and Layout.load(learned).learner == LEARNER_VERSION
+
+
+def test_without_the_temp_disk_to_learn_a_layout_the_encoder_runs(
+    compiled, monkeypatch, tmp_path, capsys
+):
+    """A LoRA on an artifact without a layout learns it into the user cache, which takes temp
+    disk (coded copies of the encoded weights): with less free, the run says so and runs the
+    encoder, for the same image, and learns nothing."""
+    art = compiled.get(*laid_out_cpu_fp32())
+    old = _without_layouts(art, tmp_path / "old")
+    monkeypatch.setenv("SDIREE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(repack.SHARE_ENV, "1")
+    monkeypatch.setattr(repack, "_free_bytes", lambda path: 1 << 20)
+    lora = _lora_like(art)
+    short = _image(old, lora)
+    err = capsys.readouterr().err
+    assert "unet: not learning how the encoder packs its weights: that takes ~" in err
+    assert "unet: encoded in" in err and "learning how" not in err.replace("not learning how", "")
+    assert not list((tmp_path / "cache" / repack.LAYOUT_CACHE).glob("unet-*.json"))
+    np.testing.assert_array_equal(short, _image(art, lora))
 
 
 def test_a_weight_whose_layout_did_not_verify_goes_through_the_encoder(
