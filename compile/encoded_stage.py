@@ -7,7 +7,6 @@ numpy. The driver's Builder (compile/driver.py) calls it with itself."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -166,12 +165,7 @@ def _layout_disk(b: Builder, enc: dict, archives: list[Path]) -> tuple[int, int]
 
     derived = {k: (v["shape"], v["dtype"]) for k, v in enc["encoder"]["derived"].items()}
     encoded = b.plan.out / enc["path"]
-    need = learning_disk(archives[:1], derived, encoded, narrow_dtype(b.plan.dtype))
-    return need, _free_bytes(b.plan.out)
-
-
-def _free_bytes(path: Path) -> int:
-    return shutil.disk_usage(path).free
+    return learning_disk(archives[:1], derived, encoded, narrow_dtype(b.plan.dtype), b.plan.out)
 
 
 def learn_layout(b: Builder, submodule, encoder, archives, derived, encoded, scope, layout):

@@ -30,8 +30,8 @@ SIGN = 0x80000000  # codes past the positive normals go on with the negative one
 SPAN = CODE_END - CODE_BASE
 CODES = 2 * SPAN
 # A narrow encoder (bf16 contractions) rounds what it packs to bf16, which keeps 16 bits of a
-# code: its weights are coded twice, each element's index as two base-CODES16 digits, each a
-# bf16 number (exact in float32 and bf16) that names its digit the same way (code16_words).
+# code: its weights are coded twice, each element's index as a residue (MODULI, below), each a
+# bf16 number (exact in float32 and bf16) that names its residue the same way (code16_words).
 CODE16_BASE, CODE16_END, SIGN16 = 0x0080, 0x7F80, 0x8000
 SPAN16 = CODE16_END - CODE16_BASE
 CODES16 = 2 * SPAN16
@@ -59,7 +59,7 @@ def residue_words(start: int, stop: int, run: int) -> np.ndarray:
 
 
 def code16_words(i: np.ndarray) -> np.ndarray:
-    """The uint16 bf16 code of each digit in i (int64, < CODES16): the normal bf16 numbers,
+    """The uint16 bf16 code of each residue in i (int64, < CODES16): the normal bf16 numbers,
     positive then negative."""
     i = np.asarray(i, np.int64)
     return np.where(i < SPAN16, CODE16_BASE + i, SIGN16 + CODE16_BASE + i - SPAN16).astype(
@@ -68,7 +68,7 @@ def code16_words(i: np.ndarray) -> np.ndarray:
 
 
 def code16_index(u: np.ndarray) -> np.ndarray:
-    """The digit (int64) of each uint16 bf16 code, -1 where it is none."""
+    """The residue (int64) of each uint16 bf16 code, -1 where it is none."""
     w = u.astype(np.int64)
     mag = w & (SIGN16 - 1)
     ok = (mag >= CODE16_BASE) & (mag < CODE16_END)
@@ -76,7 +76,7 @@ def code16_index(u: np.ndarray) -> np.ndarray:
 
 
 @functools.cache
-def _digit_of() -> np.ndarray:
+def _residue_of() -> np.ndarray:
     """code16_index of every uint16, int32: one gather per unit instead of six passes."""
     return code16_index(np.arange(1 << 16, dtype=np.uint16)).astype(np.int32)
 
@@ -237,8 +237,8 @@ class Units:
     def _residue(self, u: np.ndarray) -> np.ndarray:
         """int32 residue of each unit (code16_index), -1 where none."""
         if self.itemsize == 2:
-            return _digit_of()[u]
-        return np.where((u & 0xFFFF) == 0, _digit_of()[u >> 16], -1)
+            return _residue_of()[u]
+        return np.where((u & 0xFFFF) == 0, _residue_of()[u >> 16], -1)
 
 
 class Decoder:

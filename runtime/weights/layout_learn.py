@@ -149,7 +149,7 @@ def learn_entry(
     coded2: np.ndarray | None = None,
 ):
     """(regions, failed params, unexplained byte spans) of one coded output entry (uint8),
-    read front to back: one run's float32 codes, or with coded2 two runs' bf16 digits (a
+    read front to back: one run's float32 codes, or with coded2 two runs' bf16 residues (a
     narrow encoder: weights packed in bf16 or float32). release(coded, start, end), if given,
     is told the bytes behind. Raises BudgetSpent once time.monotonic() passes deadline."""
     runs = [coded] if coded2 is None else [coded, coded2]

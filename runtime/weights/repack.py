@@ -62,7 +62,7 @@ def layout_for(manifest, name: str, device, report: Callable[[str], None]) -> La
     own = [manifest.path(p) for p, s in sub.archives() if s == sub.scope]
     cache.parent.mkdir(parents=True, exist_ok=True)
     narrow = narrow_dtype(manifest.dtype)
-    need, free = learning_disk(own, sub.encoder.derived, encoded, narrow), _free_bytes(cache.parent)
+    need, free = learning_disk(own, sub.encoder.derived, encoded, narrow, cache.parent)
     if need > free:
         report(
             f"{name}: not learning how the encoder packs its weights: that takes "
@@ -96,9 +96,12 @@ def layout_for(manifest, name: str, device, report: Callable[[str], None]) -> La
     return layout
 
 
-def learning_disk(own: list[Path], derived: dict, encoded: Path, narrow: bool) -> int:
-    """The temp disk (bytes) learning the layout of encoded takes (layout_learn.temp_disk), for
-    the weights of the archives `own` and the `derived` ones ({key: (shape, dtype)})."""
+def learning_disk(
+    own: list[Path], derived: dict, encoded: Path, narrow: bool, where: Path
+) -> tuple[int, int]:
+    """(the temp disk learning the layout of encoded takes, layout_learn.temp_disk, for the
+    weights of the archives `own` and the `derived` ones ({key: (shape, dtype)}); the disk
+    free where its temp files go), in bytes."""
     n = sum(
         int(np.prod(e.shape, dtype=np.int64))
         for p in own
@@ -108,7 +111,7 @@ def learning_disk(own: list[Path], derived: dict, encoded: Path, narrow: bool) -
     n += sum(
         int(np.prod(s, dtype=np.int64)) for s, d in derived.values() if np.dtype(d) == np.float32
     )
-    return temp_disk(encoded, n, narrow)
+    return temp_disk(encoded, n, narrow), _free_bytes(where)
 
 
 def _free_bytes(path: Path) -> int:

@@ -20,6 +20,7 @@ from sdiree.compile.driver import CompileOptions, compile_model
 from sdiree.compile.report import Reporter
 from sdiree.runtime.manifest import check_files, load_manifest
 from sdiree.runtime.targets import default_specs_dir
+from sdiree.runtime.weights import repack
 from sdiree.runtime.weights.recover import sidecar_path
 
 DATA = Path(__file__).parent / "data"
@@ -198,7 +199,7 @@ def test_a_layout_without_the_temp_disk_it_takes_is_left_for_a_later_compile(
     compiled.get("cpu", "host", "fp32")  # the shared exports and archives exist
     out = tmp_path / "cpu-short"
     sub = "text_encoder" if host_fp32_splits() else "unet"  # one that learns a layout
-    monkeypatch.setattr(encoded_stage, "_free_bytes", lambda path: 1 << 20)
+    monkeypatch.setattr(repack, "_free_bytes", lambda path: 1 << 20)
     ran, log = recompile(compiled.model, out)
     assert f"{sub}: its layout is not learned now: that takes ~" in log
     assert "0.0 GiB free there" in log
