@@ -13,17 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from .base import (
-    BETA_DEFAULTS,
-    TIMESTEP_SPACINGS,
-    AlphaScheduler,
-    NoiseGenerator,
-    alpha_eps,
-    alpha_x0,
-    check_num_inference_steps,
-    clip_x0,
-    draw_noise,
-)
+from .base import AlphaScheduler, NoiseGenerator, check_num_inference_steps, draw_noise
+from .noise_schedule import BETA_DEFAULTS, TIMESTEP_SPACINGS
+from .prediction import alpha_eps, alpha_x0, clip_x0
 
 
 class DDIMScheduler(AlphaScheduler):

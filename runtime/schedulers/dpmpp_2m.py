@@ -21,13 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from .base import (
+from .base import NoiseGenerator, Scheduler, check_num_inference_steps
+from .noise_schedule import (
     BETA_DEFAULTS,
     TIMESTEP_SPACINGS,
-    NoiseGenerator,
-    Scheduler,
-    check_num_inference_steps,
-    clip_x0,
     final_sigma,
     interp_sigmas,
     karras_sigmas,
@@ -35,6 +32,7 @@ from .base import (
     sigma_to_t,
     train_sigmas,
 )
+from .prediction import clip_x0
 
 # The keys that make this "DPM++ 2M"; forced whatever the loaded config says.
 FIXED_OPTIONS = {"algorithm_type": "dpmsolver++", "solver_order": 2, "solver_type": "midpoint"}

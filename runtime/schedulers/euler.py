@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from .base import BETA_DEFAULTS, TIMESTEP_SPACINGS, NoiseGenerator, SigmaScheduler
+from .base import NoiseGenerator, SigmaScheduler
+from .noise_schedule import BETA_DEFAULTS, TIMESTEP_SPACINGS
 
 
 class EulerDiscreteScheduler(SigmaScheduler):

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .base import BETA_DEFAULTS, TIMESTEP_SPACINGS, NoiseGenerator, SigmaScheduler, draw_noise
+from .base import NoiseGenerator, SigmaScheduler, draw_noise
+from .noise_schedule import BETA_DEFAULTS, TIMESTEP_SPACINGS
 
 
 class EulerAncestralDiscreteScheduler(SigmaScheduler):

@@ -15,15 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from .base import (
-    BETA_DEFAULTS,
-    AlphaScheduler,
-    NoiseGenerator,
-    alpha_x0,
-    check_num_inference_steps,
-    clip_x0,
-    draw_noise,
-)
+from .base import AlphaScheduler, NoiseGenerator, check_num_inference_steps, draw_noise
+from .noise_schedule import BETA_DEFAULTS
+from .prediction import alpha_x0, clip_x0
 
 SIGMA_DATA = 0.5
 

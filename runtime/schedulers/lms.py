@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from .base import BETA_DEFAULTS, TIMESTEP_SPACINGS, NoiseGenerator, SigmaScheduler
+from .base import NoiseGenerator, SigmaScheduler
+from .noise_schedule import BETA_DEFAULTS, TIMESTEP_SPACINGS
 
 LMS_ORDER = 4
 _GAUSS_NODES, _GAUSS_WEIGHTS = np.polynomial.legendre.leggauss(4)

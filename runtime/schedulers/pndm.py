@@ -19,14 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from .base import (
-    BETA_DEFAULTS,
-    TIMESTEP_SPACINGS,
-    AlphaScheduler,
-    NoiseGenerator,
-    alpha_eps,
-    check_num_inference_steps,
-)
+from .base import AlphaScheduler, NoiseGenerator, check_num_inference_steps
+from .noise_schedule import BETA_DEFAULTS, TIMESTEP_SPACINGS
+from .prediction import alpha_eps
 
 
 class PNDMScheduler(AlphaScheduler):
