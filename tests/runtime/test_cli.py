@@ -14,7 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 import pytest
 
 from sdiree.runtime import __version__, cli, schedulers
-from sdiree.runtime.cli import build_parser
+from sdiree.runtime.cli_parser import build_parser
 from sdiree.runtime.errors import UserError
 
 
