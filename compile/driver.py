@@ -52,6 +52,7 @@ from sdiree.runtime.fileutil import (
     sha256_file,
     sha256_json,
 )
+from sdiree.runtime.host_memory import map_large_blocks, release_freed_heap
 from sdiree.runtime.manifest import HASH_CACHE, MANIFEST_NAME, check_files, load_manifest
 from sdiree.runtime.weights.sources import file_sha256
 
@@ -278,6 +279,10 @@ class Builder(ExportStage, ParamsStage):
 def compile_model(opts: CompileOptions, reporter: Reporter | None = None) -> Path:
     """Build (or bring up to date) one artifact directory; returns its manifest path."""
     r = reporter or Reporter()
+    # each stage's freed GBs back to the system, not kept for the next (runtime/host_memory.py)
+    map_large_blocks()
+    if r.between_stages is None:
+        r.between_stages = _release_freed_memory
     plan = resolve(opts, r)  # bad input says so before the heavy libraries are imported
     quiet_libraries()
     made = _missing_dirs(plan.out)
@@ -290,6 +295,14 @@ def compile_model(opts: CompileOptions, reporter: Reporter | None = None) -> Pat
             with contextlib.suppress(OSError):
                 d.rmdir()  # an empty folder only
         raise
+
+
+def _release_freed_memory() -> None:
+    """What a finished stage freed, back to the system (the Reporter runs it after each)."""
+    import gc
+
+    gc.collect()
+    release_freed_heap()
 
 
 def _missing_dirs(path: Path) -> list[Path]:

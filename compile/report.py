@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -20,6 +21,8 @@ class StageRecord:
 class Reporter:
     stream: object = field(default_factory=lambda: sys.stdout)
     records: list[StageRecord] = field(default_factory=list)
+    # run after each stage that finished (compile/driver.py: its freed memory handed back)
+    between_stages: Callable[[], object] | None = None
 
     def say(self, msg: str) -> None:
         print(msg, file=self.stream, flush=True)
@@ -30,6 +33,8 @@ class Reporter:
         self.say(f"[{label}] ...")
         t0 = time.perf_counter()
         yield
+        if self.between_stages is not None:
+            self.between_stages()
         dt = time.perf_counter() - t0
         self.records.append(StageRecord(stage, item, dt, "done"))
         self.say(f"[{label}] done in {dt:.1f}s")

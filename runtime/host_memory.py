@@ -1,4 +1,5 @@
-"""Host heap setting for the CPU drivers: freed memory stays in the heap for the next call.
+"""Host heap settings: for the CPU drivers, freed memory stays in the heap for the next call;
+for the compile driver, freed memory goes back to the system.
 
 IREE's local-task device mallocs each call's transient buffers and frees them at the end of the
 call. glibc serves blocks above its mmap threshold (32 MiB at most) with fresh mmaps and unmaps
@@ -11,6 +12,14 @@ exits, which a generator that calls the UNet again and again would reach anyway.
 Set SDIREE_HOST_HEAP=default to leave glibc's behaviour alone. `release_freed_heap` gives the
 kept free pages back at the end of a phase whose working memory the next phase does not reuse
 (runtime/residency.py, Session.release).
+
+The compile driver wants the opposite (compile/driver.py): its stages (export, parameter
+archives, encoder runs, layout learning) each allocate and free GBs once, and glibc's mmap
+threshold rises (to 32 MiB at most) with each large block freed, so after the first one most
+arrays came from the heap and each stage's freed high-water mark stayed resident, fragmented,
+under the next. `map_large_blocks` pins the threshold (every block of 1 MiB or more its own
+mapping, unmapped when freed) and the driver trims the heap after each stage: SD 1.5 bf16's
+compile peaked at 2.09 GiB instead of 2.92-3.03 (compile/NOTES.md).
 """
 
 from __future__ import annotations
@@ -21,7 +30,9 @@ import os
 
 # mallopt parameter numbers from glibc's malloc.h.
 M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
+LARGE_BLOCK = 1 << 20
 
 _applied: bool | None = None
 
@@ -32,26 +43,44 @@ def keep_freed_host_memory() -> bool:
     if _applied is not None:
         return _applied
     _applied = False
-    if os.environ.get("SDIREE_HOST_HEAP", "") == "default":
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS, Windows): nothing to set
-        return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     # A trim threshold of -1 turns trimming off (mallopt(3)).
     _applied = bool(mallopt(M_TRIM_THRESHOLD, -1)) and bool(mallopt(M_MMAP_MAX, 0))
     return _applied
 
 
+def map_large_blocks(threshold: int = LARGE_BLOCK) -> bool:
+    """Serve every block of threshold bytes or more from its own mapping, unmapped when freed,
+    for the rest of the process (a pinned threshold no longer moves); True once applied."""
+    mallopt = _mallopt()
+    return mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, threshold))
+
+
 def release_freed_heap() -> bool:
     """Return the heap's free pages to the OS once (glibc's malloc_trim); False elsewhere."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc
+    trim = _libc("malloc_trim")
+    if trim is None:
         return False
     trim.argtypes = (ctypes.c_size_t,)
     trim(0)
     return True
+
+
+def _mallopt():
+    """glibc's mallopt, or None where there is none or SDIREE_HOST_HEAP=default opts out."""
+    if os.environ.get("SDIREE_HOST_HEAP", "") == "default":
+        return None
+    mallopt = _libc("mallopt")
+    if mallopt is not None:
+        mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    return mallopt
+
+
+def _libc(name: str):
+    """The C library's function name; None where it has none (musl, macOS, Windows)."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None

@@ -1,4 +1,5 @@
-"""host_memory: with the setting on, a freed large block is reused without new page faults."""
+"""host_memory: with the runtime's setting on, a freed large block is reused without new page
+faults; with the compile's, freed blocks go back to the system (and the trim returns the rest)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import os
 import platform
 import subprocess
 import sys
+import textwrap
 
 import pytest
+
+from sdiree.runtime import host_memory
 
 pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc malloc only"
@@ -73,3 +77,58 @@ def test_cpu_session_applies_it(compiled):
     out = subprocess.run([sys.executable, "-c", code, str(art)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+
+
+# In a fresh process: 256 MiB of blocks of SIZE bytes, all freed but the last, which pins the
+# heap's top (without a trim or a mapping of their own they stay resident); prints what SETUP
+# and THEN returned and the RSS before and after THEN.
+RETURNED = """
+import os
+from sdiree.runtime import host_memory
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+print({setup})
+blocks = [bytearray(os.urandom(16)) * ({size} // 16) for _ in range(2**28 // {size})]
+last = blocks[-1]
+del blocks
+before = rss()
+print({then}, before, rss())
+"""
+
+
+def returned(size: int, then: str = "None", setup: str = "None") -> tuple[str, str, int, int]:
+    code = textwrap.dedent(RETURNED).format(size=size, then=then, setup=setup)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    return out[0], out[1], int(out[2]), int(out[3])
+
+
+def test_the_trim_returns_free_heap_pages():
+    # 64 KiB blocks: below malloc's mmap threshold, carved from its heap
+    _, trimmed, before, after = returned(2**16, "host_memory.release_freed_heap()")
+    assert trimmed == "True"
+    assert before - after > 128 * 2**20, (before, after)
+    _, _, before, after = returned(2**16, "None")  # without it: kept
+    assert before - after < 64 * 2**20, (before, after)
+
+
+# A 2 MiB block mapped and freed first raises glibc's threshold to 2 MiB: the next 2 MiB blocks
+# come from the heap and stay resident when freed.
+RAISE = "bytearray(2**21)"
+
+
+def test_large_blocks_are_mapped_and_handed_back_when_freed():
+    _, _, kept, _ = returned(2**21, setup=f"len({RAISE}) and None")
+    mapped, _, handed_back, _ = returned(
+        2**21, setup=f"[host_memory.map_large_blocks(), {RAISE}][0]"
+    )
+    assert mapped == "True"
+    assert kept - handed_back > 200 * 2**20, (kept, handed_back)
+
+
+def test_map_large_blocks_opt_out(monkeypatch):
+    monkeypatch.setenv("SDIREE_HOST_HEAP", "default")
+    assert host_memory.map_large_blocks() is False
