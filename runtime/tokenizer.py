@@ -1,10 +1,11 @@
 """Torch-free CLIP tokenizer: prompt text to the padded token ids Stable Diffusion's encoder takes.
 
 Reads a diffusers ``tokenizer/`` folder (``vocab.json`` + ``merges.txt``, or ``tokenizer.json``,
-with ``tokenizer_config.json`` / ``special_tokens_map.json``) and reproduces what
-``transformers.CLIPTokenizer`` returns for ``tokenizer(prompt, padding="max_length",
-max_length=tokenizer.model_max_length, truncation=True)``. In transformers >= 5 that class is the
-``tokenizers``-library pipeline (the same one ``CLIPTokenizerFast`` is in 4.x), replayed here:
+with ``tokenizer_config.json`` / ``special_tokens_map.json``; read by tokenizer_files.py) and
+reproduces what ``transformers.CLIPTokenizer`` returns for ``tokenizer(prompt,
+padding="max_length", max_length=tokenizer.model_max_length, truncation=True)``. In
+transformers >= 5 that class is the ``tokenizers``-library pipeline (the same one
+``CLIPTokenizerFast`` is in 4.x), replayed here:
 
 1. special ("added") tokens are cut out of the raw text first (leftmost-longest match); those
    flagged ``normalized`` are looked for again after normalisation;
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import copy
 import heapq
-import json
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,11 +44,10 @@ import numpy as np
 import regex
 
 from .errors import UserError
+from .tokenizer_files import DEFAULT_MAX_LENGTH, EOW, read_tokenizer_folder
 
 __all__ = ["AddedText", "ClipTokenizer", "TokenizedText"]
 
-_EOW = "</w>"
-_DEFAULT_MAX_LENGTH = 77  # CLIP's text position embeddings
 
 _CLIP_PATTERN = regex.compile(
     r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
@@ -59,7 +58,6 @@ _BYTE_LEVEL_PATTERN = regex.compile(
 _WHITESPACE = regex.compile(r"\s+")
 _LEGACY_PATTERN = regex.compile(_CLIP_PATTERN.pattern, regex.IGNORECASE)
 _LEGACY_WHOLE = ("<|startoftext|>", "<|endoftext|>")
-_LEGACY_MAX_MERGES = 49152 - 256 - 2  # transformers 4.x reads at most this many merges
 # BERT's "Chinese character" blocks, which its BasicTokenizer surrounds with spaces.
 _CJK_RANGES = (
     (0x4E00, 0x9FFF),
@@ -70,18 +68,6 @@ _CJK_RANGES = (
     (0x2B820, 0x2CEAF),
     (0xF900, 0xFAFF),
     (0x2F800, 0x2FA1F),
-)
-
-# Order in which transformers registers the named special tokens; a later definition of the
-# same text replaces an earlier one (and with it the ``normalized`` flag).
-_SPECIAL_KEYS = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
 )
 
 
@@ -140,7 +126,7 @@ class ClipTokenizer:
         eos_token: str = "<|endoftext|>",
         pad_token: str = "<|endoftext|>",
         unk_token: str | None = "<|endoftext|>",
-        model_max_length: int = _DEFAULT_MAX_LENGTH,
+        model_max_length: int = DEFAULT_MAX_LENGTH,
         added_tokens: list[tuple[str, bool]] | None = None,
         legacy: bool = False,
     ) -> None:
@@ -195,52 +181,17 @@ class ClipTokenizer:
         in transformers >= 5; ``legacy=True`` reads the latter, as transformers 4.x did.
         """
         path = Path(path)
-        config = _read_json(path / "tokenizer_config.json") or {}
-        special = _read_json(path / "special_tokens_map.json") or {}
-
-        definitions: dict[str, tuple[str, bool]] = {}
-        for source in (config, special):
-            for key in _SPECIAL_KEYS:
-                if key in source and source[key] is not None:
-                    definitions[key] = _token_definition(source[key])
-
-        tokenizer_json = None
-        if not (legacy and (path / "vocab.json").is_file()):
-            tokenizer_json = _read_json(path / "tokenizer.json")
-        if tokenizer_json is not None:
-            vocab, merges, added = _from_tokenizer_json(tokenizer_json, path)
-        else:
-            vocab, merges = _from_vocab_files(path, legacy)
-            # No stored flags: a token given as a plain string is matched in the raw text, one
-            # given as an AddedToken dict keeps its own flag; the last definition of a text wins.
-            by_text: dict[str, bool] = {}
-            for key in _SPECIAL_KEYS:
-                if key in definitions:
-                    content, normalized = definitions[key]
-                    by_text.pop(content, None)
-                    by_text[content] = normalized
-            for extra in config.get("additional_special_tokens") or []:
-                content, normalized = _token_definition(extra)
-                by_text.pop(content, None)
-                by_text[content] = normalized
-            added = list(by_text.items())
-
-        def name(key: str, default: str | None) -> str | None:
-            return definitions[key][0] if key in definitions else default
-
-        max_length = config.get("model_max_length")
-        if not isinstance(max_length, int) or not 2 <= max_length <= 1_000_000:
-            max_length = _DEFAULT_MAX_LENGTH
+        files = read_tokenizer_folder(path, legacy)
         try:
             return cls(
-                vocab,
-                merges,
-                bos_token=name("bos_token", "<|startoftext|>"),
-                eos_token=name("eos_token", "<|endoftext|>"),
-                pad_token=name("pad_token", None) or name("eos_token", "<|endoftext|>"),
-                unk_token=name("unk_token", "<|endoftext|>"),
-                model_max_length=max_length,
-                added_tokens=added,
+                files.vocab,
+                files.merges,
+                bos_token=files.bos_token,
+                eos_token=files.eos_token,
+                pad_token=files.pad_token,
+                unk_token=files.unk_token,
+                model_max_length=files.max_length,
+                added_tokens=files.added,
                 legacy=legacy,
             )
         except UserError as e:
@@ -334,7 +285,7 @@ class ClipTokenizer:
         if cached is not None:
             return cached
         chars = [_BYTE_CHARS[b] for b in word.encode("utf-8")]
-        chars[-1] += _EOW
+        chars[-1] += EOW
         ids = [self._vocab.get(c, self.unk_id) for c in chars]
         ids = self._merge(ids)
         if len(self._bpe_cache) < 100_000:
@@ -435,59 +386,3 @@ class _TokenMatcher:
         if start < len(text):
             parts.append((text[start:], None))
         return parts
-
-
-def _read_json(path: Path):
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"tokenizer: cannot read {path}: {e}") from None
-
-
-def _token_definition(value) -> tuple[str, bool]:
-    """(text, normalized) of a special-token entry: a string or an AddedToken dict."""
-    if isinstance(value, dict):
-        return str(value["content"]), bool(value.get("normalized", False))
-    return str(value), False
-
-
-def _from_vocab_files(path: Path, legacy: bool) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    vocab_file, merges_file = path / "vocab.json", path / "merges.txt"
-    if not vocab_file.is_file() or not merges_file.is_file():
-        raise UserError(f"tokenizer: {path} has neither tokenizer.json nor vocab.json + merges.txt")
-    vocab = _read_json(vocab_file)
-    text = merges_file.read_text(encoding="utf-8")
-    if legacy:
-        # transformers 4.x: drop the first line whatever it is, keep at most 48894 merges.
-        lines = text.strip().split("\n")[1 : _LEGACY_MAX_MERGES + 1]
-    else:
-        lines = [ln for ln in text.split("\n") if ln.strip() and not ln.startswith("#version")]
-    merges = []
-    for line in lines:
-        parts = line.split()
-        if len(parts) != 2:
-            raise UserError(f"tokenizer: malformed merge {line!r} in {merges_file}")
-        merges.append((parts[0], parts[1]))
-    return vocab, merges
-
-
-def _from_tokenizer_json(
-    data: dict, path: Path
-) -> tuple[dict[str, int], list[tuple[str, str]], list[tuple[str, bool]]]:
-    model = data.get("model") or {}
-    if model.get("type") != "BPE" or model.get("end_of_word_suffix", _EOW) != _EOW:
-        raise UserError(f"tokenizer: {path}/tokenizer.json is not a CLIP BPE model")
-    merges = []
-    for merge in model.get("merges") or []:
-        parts = merge.split(" ") if isinstance(merge, str) else list(merge)
-        if len(parts) != 2:
-            raise UserError(f"tokenizer: malformed merge {merge!r} in {path}/tokenizer.json")
-        merges.append((parts[0], parts[1]))
-    vocab = dict(model.get("vocab") or {})
-    added = []
-    for token in data.get("added_tokens") or []:
-        vocab.setdefault(token["content"], token["id"])
-        added.append((token["content"], bool(token.get("normalized", False))))
-    return vocab, merges, added
