@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 # mallopt parameter numbers from glibc's malloc.h.
@@ -78,8 +79,10 @@ def _mallopt():
     return mallopt
 
 
+@functools.cache
 def _libc(name: str):
-    """The C library's function name; None where it has none (musl, macOS, Windows)."""
+    """The C library's function name, looked up once (find_library runs ldconfig); None where
+    it has none (musl, macOS, Windows)."""
     try:
         return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):

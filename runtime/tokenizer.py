@@ -175,11 +175,8 @@ class ClipTokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path, *, legacy: bool = False) -> ClipTokenizer:
-        """Load a tokenizer folder as diffusers saves it (SD 1.x/2.x ``tokenizer/``).
-
-        ``tokenizer.json`` wins over ``vocab.json`` + ``merges.txt`` when both are present, as
-        in transformers >= 5; ``legacy=True`` reads the latter, as transformers 4.x did.
-        """
+        """Load a tokenizer folder as diffusers saves it (tokenizer_files.read_tokenizer_folder
+        says which files win; ``legacy=True`` reads them as transformers 4.x did)."""
         path = Path(path)
         files = read_tokenizer_folder(path, legacy)
         try:
