@@ -37,8 +37,9 @@ from sdiree.runtime.registry_schema import UNET_ONLY_EXPORT
 # GroupNorm statistics in one pass of sums about a reference; 20: the AMX attention's keys and
 # values packed from the projections by the kernel's own pass (pack_kv); 21: the AMX matmul's
 # bias in its accumulators (linears, im2col convs); 22: Winograd products and im2col matmuls
-# whose rows are not a multiple of 32 padded onto the AMX kernel, as the linears' were.
-EXPORTER_REVISION = 22
+# whose rows are not a multiple of 32 padded onto the AMX kernel, as the linears' were; 23: under
+# `matmul_kernel: amx` channels-last, nearest 2x upsampling on its kernel (upsample_kernel.py).
+EXPORTER_REVISION = 23
 # Bumped when weights derived at export (Winograd) are computed differently, so that cached
 # derived archives written before are written again (compile/params_stage.py). 2: rounded once
 # to the export dtype; before, an fp16 file compiled in fp32 had its transformed weights rounded
@@ -71,13 +72,14 @@ def kernels_for(options: dict) -> dict[str, str]:
         attention_f32,
         group_norm_kernel,
         linear_f32,
+        upsample_kernel,
         winograd_f32,
         winograd_fused,
     )
 
     names = [amx_matmul.KERNEL] if uses_amx(options) else []
     if options.get("matmul_kernel") == "amx":
-        names += [attention_amx.KERNEL, group_norm_kernel.KERNEL]
+        names += [attention_amx.KERNEL, group_norm_kernel.KERNEL, upsample_kernel.KERNEL]
         if options.get("winograd_kernel") == "fused":
             names.append(winograd_fused.KERNEL)
     if options.get("attention") == "fused_f32":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import group_norm_kernel, winograd_f32
+from . import group_norm_kernel, upsample_kernel, winograd_f32
 from .conv_matmul import CHANNELS_LAST_FORWARD
 
 
@@ -108,15 +108,20 @@ def resnet_unsupported(r) -> str | None:
 
 
 def upsample(u, xh: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
-    """An Upsample2D (nearest, then its conv): 2x as a broadcast, another size (diffusers'
+    """An Upsample2D (nearest, then its conv): 2x on the upsampling kernel where u is marked for
+    it and fits (upsample_kernel.py), else as a broadcast; another size (diffusers'
     `upsample_size`, for sides not divisible by the UNet's overall factor) by interpolation."""
     n, h, w, c = xh.shape
+    conv_mod = u.conv if u.name == "conv" else u.Conv2d_0
     if size is None or tuple(size) == (2 * h, 2 * w):
+        y = upsample_kernel.upsample_conv(u, conv_mod, xh)  # the kernel's, where u is marked
+        if y is not None:
+            return y
         up = xh[:, :, None, :, None, :].expand(n, h, 2, w, 2, c).reshape(n, 2 * h, 2 * w, c)
     else:
         up = F.interpolate(xh.permute(0, 3, 1, 2), size=tuple(size), mode="nearest")
         up = up.permute(0, 2, 3, 1)
-    return conv(u.conv if u.name == "conv" else u.Conv2d_0, up)
+    return conv(conv_mod, up)
 
 
 def upsample_unsupported(u) -> str | None:

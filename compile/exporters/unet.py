@@ -25,6 +25,7 @@ from .conv_matmul import conv_input_sides, set_conv_lowering, tiles_by_side
 from .group_norm_kernel import set_norm_kernel
 from .layer_norm_kernel import set_layer_norm_kernel
 from .norm_precision import group_norms_in_fp32
+from .upsample_kernel import set_upsample_kernel
 from .winograd import WINOGRAD_TILES
 
 
@@ -155,6 +156,7 @@ def plan_unet(
     group_norms_in_fp32(unet, dtype)
     if matmul_kernel == "amx" and layout == "channels_last":
         set_norm_kernel(unet)
+        set_upsample_kernel(unet)
         set_layer_norm_kernel(unet)
     share_cfg_prefix(unet, batch)  # last: it wraps the forwards rebound above
     unet = unet.to(dtype).eval()

@@ -19,6 +19,7 @@ from .conv_amx import MIN_WIDTH
 from .conv_matmul import set_conv_lowering
 from .group_norm_kernel import set_norm_kernel
 from .norm_precision import group_norms_in_fp32
+from .upsample_kernel import set_upsample_kernel
 
 SCOPE = "vae"
 
@@ -82,6 +83,7 @@ def _plan(
     group_norms_in_fp32(vae, dtype)
     if matmul_kernel == "amx" and layout == "channels_last":
         set_norm_kernel(vae)
+        set_upsample_kernel(vae)
     vae = vae.to(dtype).eval()
     dt = NUMPY_DTYPE_NAMES[dtype]
     h, w = image_hw

@@ -87,11 +87,11 @@ def test_a_decoder_it_cannot_take_and_a_bad_choice_are_one_line():
         plan_vae_decoder(vae(), layout="nhwc", **kw)
 
 
-def test_amx_plan_puts_the_norms_on_their_kernels():
+def test_amx_plan_puts_the_norms_and_upsamplers_on_their_kernels():
     """Under matmul_kernel amx the decoder's GroupNorms (and SiLUs) take their kernels
-    (group_norm_kernel.py), those before a conv on the conv kernel writing its padded rows: the
-    image is diffusers' within bf16's rounding."""
-    from sdiree.compile.exporters import group_norm_kernel
+    (group_norm_kernel.py), those before a conv on the conv kernel writing its padded rows, and
+    so does its upsampler (upsample_kernel.py): the image is diffusers' within bf16's rounding."""
+    from sdiree.compile.exporters import group_norm_kernel, upsample_kernel
 
     model = vae(block_out_channels=(32, 64))  # channels the conv kernel takes unpadded
     latents = torch.randn(1, 4, 16, 16)
@@ -101,13 +101,17 @@ def test_amx_plan_puts_the_norms_on_their_kernels():
             model, batch=1, image_hw=(128, 128), dtype=torch.float32, attention="chunked",
             conv="winograd", layout="channels_last", matmul_kernel="amx",
         )  # fmt: skip
-        seen = []
-        original = group_norm_kernel.norm_bf16
+        seen, ups = [], []
+        original, original_up = group_norm_kernel.norm_bf16, upsample_kernel.upsampled_bf16
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(
                 group_norm_kernel, "norm_bf16", lambda *a: seen.append(a[3:]) or original(*a)
             )
+            mp.setattr(
+                upsample_kernel, "upsampled_bf16", lambda *a: ups.append(a) or original_up(*a)
+            )
             got = plan.root(latents)
     assert len(seen) == sum(isinstance(m, torch.nn.GroupNorm) for m in model.decoder.modules()) - 1
     assert any(s and s[0] == 1 for s in seen)  # written as a conv kernel's padded rows
+    assert len(ups) == 1 and ups[0][0].shape == (1, 16, 16, 64)  # the one upsampler, 16 -> 32
     assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
