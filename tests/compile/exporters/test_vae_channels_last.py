@@ -115,3 +115,26 @@ def test_amx_plan_puts_the_norms_and_upsamplers_on_their_kernels():
     assert any(s and s[0] == 1 for s in seen)  # written as a conv kernel's padded rows
     assert len(ups) == 1 and ups[0][0].shape == (1, 16, 16, 64)  # the one upsampler, 16 -> 32
     assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
+
+
+def test_amx_plan_with_amx_linears_keeps_the_image():
+    """Under `linear: amx` (the cpu presets' VAE on AMX and avx512_bf16 CPUs) the mid block's
+    attention projections are rebound to the AMX matmul kernel, the image still diffusers'
+    within bf16's rounding."""
+    from sdiree.compile.exporters.linear_flat import set_linear_lowering
+
+    model = vae(block_out_channels=(32, 64))
+    latents = torch.randn(1, 4, 16, 16)
+    with torch.no_grad():
+        want = model.decode(latents / model.config.scaling_factor).sample
+    attn = model.decoder.mid_block.attentions[0]
+    # to_q, to_k, to_v and to_out[0] of the encoder's and the decoder's mid attention
+    assert set_linear_lowering(model, "amx") == 8
+    assert "forward" in attn.to_q.__dict__
+    with torch.no_grad():
+        plan = plan_vae_decoder(
+            model, batch=1, image_hw=(128, 128), dtype=torch.float32, attention="chunked",
+            conv="winograd", layout="channels_last", matmul_kernel="amx",
+        )  # fmt: skip
+        got = plan.root(latents)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
