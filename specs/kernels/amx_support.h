@@ -344,6 +344,14 @@ static inline void sdiree_dp_any_32x32(sdiree_acc *t, const void *a, size_t lda,
     sdiree_dp_32x32(t, a, lda, b0, b1, K);
 }
 
+/* count bf16 zeros at dst (the zero-padded rows the norm and upsampling kernels write). */
+static inline void sdiree_zero_bf16(uint16_t *dst, size_t count) {
+  const __m512i z = _mm512_setzero_si512();
+  size_t i = 0;
+  for (; i + 32 <= count; i += 32) _mm512_storeu_si512((void *)(dst + i), z);
+  for (; i < count; ++i) dst[i] = 0;
+}
+
 /* 16 values rounded to bf16 at dst; with lo (an element offset, not 0) the remainder
    y - bf16(y) rounded to bf16 at dst + lo too: y as the hi and lo parts of an `amx_operands:
    bf16x3` operand. */

@@ -70,13 +70,6 @@ int sdiree_group_norm_stats_workgroup(const float *x, size_t x_offset, float *pa
   return 0;
 }
 
-static inline void zero_bf16(uint16_t *dst, size_t count) {
-  const __m512i z = _mm512_setzero_si512();
-  size_t i = 0;
-  for (; i + 32 <= count; i += 32) _mm512_storeu_si512((void *)(dst + i), z);
-  for (; i < count; ++i) dst[i] = 0;
-}
-
 /* silu(y) = y / (1 + 2^(-y log2 e)), the exponent at most 100 (y > -69: 2^100 stays finite for
    sdiree_rcp, and y / 2^100 is 0 in bf16 as y / inf would be) */
 static inline __m512 silu16(__m512 y) {
@@ -108,13 +101,13 @@ int sdiree_group_norm_apply_workgroup(const float *x, size_t x_offset, const flo
       }
     }
     if (pad) { /* the row's left and right border */
-      zero_bf16(dst - OC, OC);
-      zero_bf16(dst + W * OC, OC);
+      sdiree_zero_bf16(dst - OC, OC);
+      sdiree_zero_bf16(dst + W * OC, OC);
     }
   }
-  if (pad && h0 == 0) zero_bf16(o, orow * OC);
-  if (pad && h1 == H) zero_bf16(o + (H + 1) * orow * OC, orow * OC);
-  if (h1 == H && wg_n == N - 1) zero_bf16(out + out_offset + N * oimg * OC, tail * OC);
+  if (pad && h0 == 0) sdiree_zero_bf16(o, orow * OC);
+  if (pad && h1 == H) sdiree_zero_bf16(o + (H + 1) * orow * OC, orow * OC);
+  if (h1 == H && wg_n == N - 1) sdiree_zero_bf16(out + out_offset + N * oimg * OC, tail * OC);
   return 0;
 }
 

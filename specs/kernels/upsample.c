@@ -19,13 +19,6 @@
    Built freestanding like the other kernels (compile/kernel_objects.py). */
 #include "amx_support.h"
 
-static inline void zero_u16(uint16_t *dst, size_t count) {
-  const __m512i z = _mm512_setzero_si512();
-  size_t i = 0;
-  for (; i + 32 <= count; i += 32) _mm512_storeu_si512((void *)(dst + i), z);
-  for (; i < count; ++i) dst[i] = 0;
-}
-
 static inline void copy_u16(uint16_t *dst, const uint16_t *src, size_t count) {
   size_t i = 0;
   for (; i + 32 <= count; i += 32)
@@ -45,7 +38,7 @@ int sdiree_upsample2x_pad_workgroup(const float *x, size_t x_offset, uint16_t *o
   for (size_t h = h0; h < h1; ++h) {
     uint16_t *dst = o + (2 * h + 1) * orow;
     const float *src = img + h * W * C;
-    zero_u16(dst, OC); /* the left border */
+    sdiree_zero_bf16(dst, OC); /* the left border */
     for (size_t w = 0; w < W; ++w) {
       uint16_t *left = dst + (2 * w + 1) * OC;
       for (size_t c = 0; c < C; c += 16) {
@@ -54,11 +47,11 @@ int sdiree_upsample2x_pad_workgroup(const float *x, size_t x_offset, uint16_t *o
         sdiree_store_bf16x16(left + OC + c, y, lo);
       }
     }
-    zero_u16(dst + (2 * W + 1) * OC, OC); /* the right border */
+    sdiree_zero_bf16(dst + (2 * W + 1) * OC, OC); /* the right border */
     copy_u16(dst + orow, dst, orow);
   }
-  if (h0 == 0) zero_u16(o, orow);
-  if (h1 == H) zero_u16(o + (2 * H + 1) * orow, orow);
-  if (h1 == H && wg_n == N - 1) zero_u16(out + out_offset + N * oimg, tail * OC);
+  if (h0 == 0) sdiree_zero_bf16(o, orow);
+  if (h1 == H) sdiree_zero_bf16(o + (2 * H + 1) * orow, orow);
+  if (h1 == H && wg_n == N - 1) sdiree_zero_bf16(out + out_offset + N * oimg, tail * OC);
   return 0;
 }
