@@ -42,13 +42,14 @@ def run_encoder(
     """run_encoder (sdiree.runtime.weights.encoder) over input archives [(scope, path)] on the
     process's device of driver (the one the load probes and layout learning use), its output
     kept at out as a paged archive (each distinct page once:
-    the packed copies of a weight for different matmul sizes are byte-identical). Where the
-    driver can (file_io) the inputs are read and the output written through file handles,
-    never mapped: SD 1.5's UNet encodes in < 1 GiB instead of 14-17 GiB of mapped pages."""
+    the packed copies of a weight for different matmul sizes are byte-identical). The inputs
+    are mapped (input_providers); where the driver can (file_io) the output is written through
+    a file handle, never mapped: a writable mapping of SD 1.5's UNet output held ~10 GiB of
+    dirty pages."""
     device = driver_device(driver)
     raw = temp_path_for(out.with_name(f"{out.stem}.raw{out.suffix}"))
     try:
-        with input_providers(inputs, device) as sources:
+        with input_providers(inputs) as sources:
             count = _run_encoder(encoder_vmfb, sources, scope, raw, device)
             del sources
         if count:

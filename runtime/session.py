@@ -8,9 +8,7 @@ the names, shapes and dtypes the manifest declares before the call.
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
@@ -22,7 +20,7 @@ from .errors import UserError
 from .host_memory import keep_freed_host_memory, release_freed_heap
 from .manifest import FunctionDecl, Manifest
 from .weights.overrides import LoadedWeights, WeightOverrides
-from .weights.pages import load_archive, paged_layout
+from .weights.pages import load_archive
 
 T = TypeVar("T")
 
@@ -168,35 +166,6 @@ def parameter_providers(archives: list[tuple[str, Path]], load=load_archive) -> 
     for scope, path in archives:
         load(indices.setdefault(scope, rt.ParameterIndex()), path)
     return [index.create_provider(scope=scope) for scope, index in indices.items()]
-
-
-@contextlib.contextmanager
-def read_parameter_providers(archives: list[tuple[str, Path]]) -> Iterator[list]:
-    """parameter_providers whose ordinary archives are read through file handles, not mapped:
-    for a one-pass reader such as the parameter encoder, whose mapped inputs (the SD 1.5-size
-    UNet's 3.4 GB) stayed in its RSS as file pages. Paged archives are mapped as always. The
-    files are closed on exit: drop the providers (and contexts over them) before."""
-    import iree.runtime as rt
-
-    indices, fds = {}, []
-    try:
-        for scope, path in archives:
-            index = indices.setdefault(scope, rt.ParameterIndex())
-            probe = rt.ParameterIndex()
-            fds.append(os.open(path, os.O_RDONLY))
-            probe.load_from_file_handle(rt.FileHandle.wrap_fd(fds[-1]), "irpa")
-            if paged_layout(probe) is None:
-                index.load_from_file_handle(rt.FileHandle.wrap_fd(fds[-1]), "irpa")
-            else:
-                load_archive(index, path)
-            del probe
-        providers = [index.create_provider(scope=scope) for scope, index in indices.items()]
-        yield providers
-        providers.clear()
-    finally:
-        indices.clear()
-        for fd in fds:
-            os.close(fd)  # iree does not close a wrapped fd
 
 
 def is_device_lost(error: BaseException, gpu: bool = False) -> bool:

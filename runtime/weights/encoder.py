@@ -62,17 +62,20 @@ def driver_device(driver: str):
 
 
 @contextlib.contextmanager
-def input_providers(archives: list[tuple[str, Path]], device) -> Iterator[list]:
-    """Parameter providers over an encoder's input archives [(scope, path)]: read through file
-    handles where device's driver can (file_io: they never enter the RSS), else mapped. Drop
-    them (and contexts over them) before the block ends."""
-    from ..session import parameter_providers, read_parameter_providers
+def input_providers(archives: list[tuple[str, Path]]) -> Iterator[list]:
+    """Parameter providers over an encoder's input archives [(scope, path)], mapped (session.
+    parameter_providers). Read through file handles instead, iree 3.13's local-task driver read
+    each step's parameter into a newly mapped transient buffer, so the kernel zeroed and faulted
+    in every page of the inputs once more: SD 1.5's bf16 UNet encoder spent 33.4 s, ~70 % of it
+    in pread, where mapped it takes 9.8 s (compile/NOTES.md, sixty-fourth session). The mapped
+    pages are the page cache's, which holds them either way; they count in the process's RSS
+    as file pages while it runs. Drop the providers (and contexts over them) before the block
+    ends."""
+    from ..session import parameter_providers
 
-    if file_io(device):
-        with read_parameter_providers(archives) as providers:
-            yield providers
-    else:
-        yield parameter_providers(archives)
+    providers = parameter_providers(archives)
+    yield providers
+    providers.clear()
 
 
 def run_encoder(

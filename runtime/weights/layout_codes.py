@@ -186,10 +186,10 @@ def residue_inputs(params, weight, run: int):
 
 
 @contextlib.contextmanager
-def coded_inputs(scope: str, params, weight, path: Path, device, run: int | None = None):
+def coded_inputs(scope: str, params, weight, path: Path, run: int | None = None):
     """([parameter provider of scope], bases_of(params)) for an encoder run on coded params:
     one run's float32 codes (run None) from an archive written at path (removed on exit) and
-    read as encoder.input_providers reads; a narrow encoder's run `run` from memory
+    mapped as encoder.input_providers maps them; a narrow encoder's run `run` from memory
     (residue_inputs). Drop the providers before the block ends."""
     from .encoder import input_providers
 
@@ -200,7 +200,7 @@ def coded_inputs(scope: str, params, weight, path: Path, device, run: int | None
         return
     try:
         bases = write_coded_archive(params, weight, path)
-        with input_providers([(scope, path)], device) as sources:
+        with input_providers([(scope, path)]) as sources:
             yield sources, bases
     finally:
         with contextlib.suppress(OSError):

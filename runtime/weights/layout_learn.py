@@ -280,10 +280,11 @@ def learn(
     in bf16 (bf16 contractions), so it runs twice, on each residue of the codes, whose inputs
     are one short array in memory (layout_codes.residue_inputs), not a file.
 
-    Memory: where the driver moves parameters through files (cpu) one run's coded inputs are
-    read and the coded output written through file handles, and every mapping is read once
-    with the pages behind the reader dropped (pages.release_pages), so the SD 1.5-size UNet
-    learns in a few GB instead of its 7.8 GB of inputs plus the 11.5 GB output."""
+    Memory: one run's coded inputs are mapped (encoder.input_providers: clean page-cache
+    pages, counted in the RSS while the encoder runs); where the driver moves parameters
+    through files (cpu) the coded output is written through a file handle, and every mapping
+    of it is read once with the pages behind the reader dropped (pages.release_pages), so the
+    SD 1.5-size UNet's 11.5 GB output never stays resident."""
     import contextlib
 
     from .encoder import file_io, run_encoder
@@ -293,9 +294,7 @@ def learn(
     outs = [work, work.with_name(f".d1-{work.name.lstrip('.')}")][: 2 if narrow else 1]
     try:
         for run, out in enumerate(outs):
-            coding = coded_inputs(
-                in_scope, params, weight, coded_in, device, run if narrow else None
-            )
+            coding = coded_inputs(in_scope, params, weight, coded_in, run if narrow else None)
             with coding as (sources, bases):
                 # Through a file handle (file_io) the output is written raw (11.5 GB of disk
                 # for SD 1.5, never mapped). Else, where the compiled archive is paged, its

@@ -132,10 +132,13 @@ def test_main_module_reads_the_encoded_archive(built):
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc/self/maps")
-def test_the_encoder_maps_neither_its_inputs_nor_its_output(built, tmp_path, monkeypatch):
-    """On cpu the encoder reads and writes files through handles: a mapping of the SD 1.5 UNet's
-    archives held 14-17 GiB of file pages in the compile's RSS. Its output is the same bytes as
-    the encoder writes into given buffers from mapped inputs."""
+def test_the_encoder_maps_its_inputs_and_writes_its_output_through_a_handle(
+    built, tmp_path, monkeypatch
+):
+    """On cpu the encoder's inputs are mapped (read through handles, each step's parameter went
+    into newly faulted transient pages: SD 1.5's UNet encoder 33.4 s against 9.8) and its
+    output written through a file handle (a writable mapping held ~10 GiB of dirty pages). Its
+    output is the same bytes as the encoder writes into given buffers."""
     import shutil
 
     import iree.runtime as rt
@@ -159,7 +162,8 @@ def test_the_encoder_maps_neither_its_inputs_nor_its_output(built, tmp_path, mon
         d / "enc.vmfb", [("model", tmp_path / "model.irpa")], "m_encoded", out, "local-task"
     )
     assert count >= 1
-    assert mapped_during_encode == []
+    assert any(line.endswith("/model.irpa") for line in mapped_during_encode)
+    assert not any("enc" in line.rsplit("/", 1)[-1] for line in mapped_during_encode)
 
     written = rt.ParameterIndex()
     written.load(str(out))
