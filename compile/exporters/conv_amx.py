@@ -101,6 +101,24 @@ def padded_rows(n: int, h: int, w: int) -> tuple[int, int, int]:
     return positions, m, m - positions + 2 * row + 2
 
 
+def conv_on_padded_rows(conv_mod, shape, padded, add=None, residual=None):
+    """conv_mod on a channels-last input of shape [N, H, W, C] that a kernel writes as zero-padded
+    bf16 rows (padded(tail) -> [N·(H+2)·(W+2) + tail, C']): on this conv kernel where conv_mod
+    takes it, else on the fused Winograd kernels where it takes those (no tail), plus add and
+    residual; None where it takes neither (the caller's other lowering)."""
+    from . import winograd_fused
+    from .conv_matmul import CHANNELS_LAST_FORWARD
+
+    n, h, w, _ = shape
+    forward = getattr(getattr(conv_mod, CHANNELS_LAST_FORWARD, None), "__func__", None)
+    if forward is conv3x3_amx_nhwc and takes_input(conv_mod, w):
+        xp = padded(padded_rows(n, h, w)[2])
+        return conv3x3_amx_padded(conv_mod, xp, n, h, w, add, residual)
+    if winograd_fused.takes(conv_mod, tuple(shape)):
+        return winograd_fused.conv3x3_wino_padded(conv_mod, padded(0), n, h, w, add, residual)
+    return None
+
+
 def conv3x3_amx_padded(
     conv: torch.nn.Conv2d,
     xp: torch.Tensor,

@@ -103,23 +103,17 @@ def norm_act_conv(norm, act, conv_mod, xh: torch.Tensor, add=None, residual=None
     """residual + conv_mod(act(norm(xh))) + add with the norm on the kernels, the conv on the AMX
     conv kernel reading the padded rows they write (and adding add and residual in its
     epilogue) where it takes it; None where norm does not fit (act None or SiLU)."""
-    from . import winograd_fused
     from .channels_last import conv, with_added
-    from .conv_amx import conv3x3_amx_nhwc, conv3x3_amx_padded, padded_rows, takes_input
-    from .conv_matmul import CHANNELS_LAST_FORWARD
+    from .conv_amx import conv_on_padded_rows
 
     silu = isinstance(act, torch.nn.SiLU)
     if not fits(norm, xh) or not (act is None or silu):
         return None
-    n, h, w, _ = xh.shape
-    forward = getattr(getattr(conv_mod, CHANNELS_LAST_FORWARD, None), "__func__", None)
-    if forward is conv3x3_amx_nhwc and takes_input(conv_mod, w):
-        _, _, tail = padded_rows(n, h, w)
-        xp = norm_bf16(norm, xh, silu, 1, tail)
-        return conv3x3_amx_padded(conv_mod, xp, n, h, w, add, residual)
-    if winograd_fused.takes(conv_mod, xh.shape):  # the fused Winograd kernels read them too
-        xp = norm_bf16(norm, xh, silu, 1, 0)
-        return winograd_fused.conv3x3_wino_padded(conv_mod, xp, n, h, w, add, residual)
+    y = conv_on_padded_rows(
+        conv_mod, xh.shape, lambda tail: norm_bf16(norm, xh, silu, 1, tail), add, residual
+    )
+    if y is not None:
+        return y
     # another lowering (Winograd below the conv kernel's width) takes the input's dtype
     y = conv(conv_mod, from_operand(norm_bf16(norm, xh, silu), is_split(norm)).to(xh.dtype))
     return with_added(y, add, residual)

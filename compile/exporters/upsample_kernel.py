@@ -69,24 +69,16 @@ def upsample_conv(u, conv_mod, xh: torch.Tensor) -> torch.Tensor | None:
     """conv_mod(upsample 2x of xh) [N, 2H, 2W, O] with the upsampling on the kernel, the conv on
     the AMX conv kernel or the fused Winograd ones reading the rows it writes; None where u does
     not fit or the conv takes another lowering."""
-    from . import winograd_fused
-    from .conv_amx import conv3x3_amx_nhwc, conv3x3_amx_padded, padded_rows, takes_input
-    from .conv_matmul import CHANNELS_LAST_FORWARD
+    from .conv_amx import conv_on_padded_rows
 
     if not fits(u, xh):
         return None
     n, h, w, c = xh.shape
-    up_shape = (n, 2 * h, 2 * w, c)
-    forward = getattr(getattr(conv_mod, CHANNELS_LAST_FORWARD, None), "__func__", None)
-    if forward is conv3x3_amx_nhwc and takes_input(conv_mod, 2 * w):
-        tail = padded_rows(n, 2 * h, 2 * w)[2]
-        xp = upsampled_bf16(xh, tail, is_split(conv_mod))
-        return conv3x3_amx_padded(conv_mod, xp, n, 2 * h, 2 * w)
-    if winograd_fused.takes(conv_mod, up_shape):
-        return winograd_fused.conv3x3_wino_padded(
-            conv_mod, upsampled_bf16(xh, 0, False), n, 2 * h, 2 * w
-        )
-    return None
+    return conv_on_padded_rows(
+        conv_mod,
+        (n, 2 * h, 2 * w, c),
+        lambda tail: upsampled_bf16(xh, tail, is_split(conv_mod)),
+    )
 
 
 _UP = KernelOp("upsample2x_pad", lambda: _make_op())
