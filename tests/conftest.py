@@ -33,6 +33,12 @@ sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from llvm_cpu import avx2_cpu_fp32, laid_out_cpu_fp32  # noqa: E402
+from suite_progress import (  # noqa: E402, F401  (hooks: a crashed run's test, a resumed run)
+    deselect_ended,
+    pytest_runtest_logfinish,
+    pytest_runtest_logstart,
+    record_failure,
+)
 
 # The tests share the 2 cores with the background compile: torch's OpenMP workers then spin at
 # their barriers waiting for a core the compile holds (a tiny img2img parity test took 4.7 s
@@ -164,9 +170,10 @@ _inpaint_ahead_wanted = False
 _artifact_fixtures_wanted: set[str] = set()  # of QUEUE_ORDER, by the tests collected
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     global _ahead_wanted, _sdxl_ahead_wanted, _sizes_ahead_wanted
     global _sd2_ahead_wanted, _inpaint_ahead_wanted, _artifact_fixtures_wanted
+    deselect_ended(config, items)  # a resumed run (tests/suite_progress.py)
     _ahead_wanted = any(i.nodeid.startswith("tests/compile/test_compile_targets.py") for i in items)
     _sdxl_ahead_wanted = any(i.nodeid.startswith(SDXL_TESTS) for i in items)
     _sizes_ahead_wanted = any(
@@ -496,6 +503,7 @@ def pytest_runtest_logreport(report):
     freed now, in order, not by a collection inside some later test: pytest keeps the failure's
     traceback in sys.last_* for post-mortem debugging, and iree objects torn down late are the
     likely cause of crashes late in CI runs (compile/NOTES.md, "Vulkan devices kept")."""
+    record_failure(report)
     if not report.failed:
         return
     lines = report.longreprtext.splitlines()
