@@ -54,7 +54,8 @@ def test_after():
 def _run(where: Path, **env) -> subprocess.CompletedProcess:
     (where / "conftest.py").write_text(CONFTEST)
     (where / "test_x.py").write_text(TESTS)
-    env = {**os.environ, **env}
+    env = {**os.environ, "TMPDIR": str(where / "tmp"), **env}
+    (where / "tmp").mkdir()
     for name in (suite_progress.PROGRESS_ENV, suite_progress.RESUME_ENV):
         env.pop(name, None)
     return subprocess.run(
@@ -80,6 +81,7 @@ def test_a_crash_is_named_and_the_run_goes_on_from_it(tmp_path):
         assert " in __GI_abort " in out or " in abort " in out  # the dying thread's C frames
         assert "in test_crashes" in out  # and the Python ones
         assert not list(tmp_path.glob("core*"))  # removed once read
+    assert not list((tmp_path / "tmp").iterdir())  # the progress file and report removed
 
 
 def test_a_failure_before_the_crash_still_fails_the_run(tmp_path):
