@@ -38,6 +38,12 @@ CODES16 = 2 * SPAN16
 # A narrow encoder's two runs: element x holds x mod MODULI[run] as a bf16 code. Coprime, so
 # the pair names every x below their product: x = a + C * ((b - a) mod (C - 1)).
 MODULI = (CODES16, CODES16 - 1)
+# A narrow run's inputs are one array in memory (residue_inputs). iree 3.13's local-task driver
+# uses a parameter's host memory as it is only at a 64-byte-aligned address; elsewhere it copies
+# it into a new buffer, and an SD 1.5 UNet run took 85.9 s instead of 24.2 (compile/NOTES.md,
+# sixty-fifth session). So a narrow run's weights start their codes at multiples of ALIGN
+# elements (bases_of), and each reads them from a 64-byte-aligned place of that array.
+ALIGN = 16
 NONCODE = -2  # a unit neither zero nor a code (of two runs)
 PAD, FOREIGN = -1, -2  # Decoder.elements: padding, another weight's code
 
@@ -112,14 +118,18 @@ def codable(params: dict[str, tuple[tuple[int, ...], np.dtype]], narrow: bool = 
     """Whether params have float32 weights to code, and no more of their elements than codes
     (two residues' worth where narrow)."""
     n = [int(np.prod(s, dtype=np.int64)) for s, d in params.values() if np.dtype(d) == np.float32]
-    return bool(n) and sum(n) <= (min(CODES, MODULI[0] * MODULI[1]) if narrow else CODES)
+    if narrow:  # each weight's codes start at a multiple of ALIGN
+        return bool(n) and sum(n) + (ALIGN - 1) * len(n) <= min(CODES, MODULI[0] * MODULI[1])
+    return bool(n) and sum(n) <= CODES
 
 
-def bases_of(params: dict[str, tuple[tuple[int, ...], np.dtype]]) -> dict[str, int]:
-    """{float32 key: the index of its first element among all coded elements}, in order."""
+def bases_of(params: dict[str, tuple[tuple[int, ...], np.dtype]], align: int = 1) -> dict[str, int]:
+    """{float32 key: the index of its first element among all coded elements}, in order, each
+    a multiple of align (a narrow run's: ALIGN; the codes between weights are nobody's)."""
     bases, at = {}, 0
     for key, (shape, dtype) in params.items():
         if np.dtype(dtype) == np.float32:
+            at = -(-at // align) * align
             bases[key] = at
             at += int(np.prod(shape, dtype=np.int64))
     if at > CODES:
@@ -171,18 +181,33 @@ def residue_inputs(params, weight, run: int):
     real bytes (`weight(key)`)."""
     import iree.runtime as rt
 
-    bases = bases_of(params)
+    bases = bases_of(params, ALIGN)
     sizes = {k: int(np.prod(params[k][0], dtype=np.int64)) for k in bases}
     period = MODULI[run]
-    words = residue_words(0, period + max(sizes.values(), default=0), run)
+    # A weight may read its residues from any index of its base's class mod the period: run
+    # 0's period is a multiple of ALIGN, so that is its base's; run 1's is odd, so one of the
+    # next ALIGN - 1 periods puts it at a multiple of ALIGN.
+    more = 0 if period % ALIGN == 0 else (ALIGN - 1) * period
+    words = _aligned_copy(residue_words(0, period + more + max(sizes.values(), default=0), run))
     index = rt.ParameterIndex()
     for key in params:
         if key in bases:
             at = bases[key] % period
+            while at % ALIGN:
+                at += period
             index.add_buffer(key, words[at : at + sizes[key]].view(np.uint8))
         else:
             index.add_buffer(key, np.ascontiguousarray(weight(key)).reshape(-1).view(np.uint8))
     return index
+
+
+def _aligned_copy(a: np.ndarray) -> np.ndarray:
+    """a copied to memory at a 64-byte-aligned address."""
+    raw = np.empty(a.nbytes + 64, np.uint8)
+    at = -raw.ctypes.data % 64
+    out = raw[at : at + a.nbytes].view(a.dtype)
+    out[:] = a
+    return out
 
 
 @contextlib.contextmanager
@@ -195,7 +220,7 @@ def coded_inputs(scope: str, params, weight, path: Path, run: int | None = None)
 
     if run is not None:
         sources = [residue_inputs(params, weight, run).create_provider(scope=scope)]
-        yield sources, bases_of(params)
+        yield sources, bases_of(params, ALIGN)
         sources.clear()
         return
     try:
@@ -249,10 +274,14 @@ class Decoder:
         self.keys = order
         self.starts = np.array([bases[k] for k in order], np.int64)
         self.sizes = np.array([int(np.prod(shapes[k], dtype=np.int64)) for k in order], np.int64)
-        # the weights' codes are consecutive from 0 (write_coded_archive): a code is some
-        # weight's iff it is below the end of the last
+        # the weights' codes are consecutive from 0 (write_coded_archive), or with gaps of
+        # less than ALIGN before each (a narrow run's) that no input holds: a code that appears
+        # is some weight's iff it is below the end of the last
         ends = self.starts + self.sizes
-        assert not len(order) or (self.starts[0] == 0 and (self.starts[1:] == ends[:-1]).all())
+        gaps = self.starts[1:] - ends[:-1]
+        assert not len(order) or (
+            0 <= self.starts[0] < ALIGN and ((gaps >= 0) & (gaps < ALIGN)).all()
+        )
         self.total = int(ends[-1]) if len(order) else 0
 
     def decode(self, rel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -8,6 +8,7 @@ import numpy as np
 
 from sdiree.runtime.weights.layout import to_bf16
 from sdiree.runtime.weights.layout_codes import (
+    ALIGN,
     CODE_BASE,
     CODES,
     MODULI,
@@ -84,13 +85,15 @@ def test_two_runs_residues_name_every_index_below_their_product():
 
 def test_a_narrow_runs_inputs_are_each_weights_residues_from_one_array():
     """residue_inputs: each float32 weight's entry holds its elements' residues (its indices
-    among all coded elements), all of them views of one array of a period and the largest
-    weight; a param of another type is its real bytes."""
+    among all coded elements, each weight's first at a multiple of ALIGN), all of them views
+    of one array at 64-byte-aligned addresses (iree copies a parameter elsewhere: layout_codes
+    .ALIGN); a param of another type is its real bytes."""
     params = {"a": ((3, 70000), np.float32), "i": ((5,), np.int64), "b": ((7,), np.float32),
               "c": ((2, 65030), np.float32)}  # fmt: skip
     real = np.arange(5, dtype=np.int64) * 3
-    bases = bases_of(params)
-    assert bases == {"a": 0, "b": 210000, "c": 210007}
+    assert bases_of(params) == {"a": 0, "b": 210000, "c": 210007}
+    bases = bases_of(params, ALIGN)
+    assert bases == {"a": 0, "b": 210000, "c": 210016}
     for run in (0, 1):
         entries = dict(residue_inputs(params, {"i": real}.__getitem__, run).items())
         assert set(entries) == set(params)
@@ -101,7 +104,9 @@ def test_a_narrow_runs_inputs_are_each_weights_residues_from_one_array():
             got = np.frombuffer(entries[k].file_view, np.uint32)
             np.testing.assert_array_equal(got, residue_words(base, base + n, run))
             addr = got.__array_interface__["data"][0]
-            starts.add(addr - 4 * (base % MODULI[run]))  # where the one array starts
+            assert addr % 64 == 0
+            at = next(a for a in range(base % MODULI[run], 1 << 24, MODULI[run]) if a % ALIGN == 0)
+            starts.add(addr - 4 * at)  # where the one array starts
         assert len(starts) == 1
 
 

@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 
 from sdiree.runtime.weights.layout import Layout, Region, to_bf16
-from sdiree.runtime.weights.layout_codes import MODULI, SPAN, Decoder, code16_words, code_words
+from sdiree.runtime.weights.layout_codes import (
+    ALIGN,
+    MODULI,
+    SPAN,
+    Decoder,
+    bases_of,
+    code16_words,
+    code_words,
+)
 from sdiree.runtime.weights.layout_learn import BudgetSpent, learn_entry
 
 
@@ -39,14 +47,20 @@ def _narrow_runs(pieces, bases):
     return runs
 
 
-def test_a_narrow_encoders_bf16_and_float32_packs_are_found_from_two_runs(tmp_path):
+@pytest.mark.parametrize("aligned", [False, True])
+def test_a_narrow_encoders_bf16_and_float32_packs_are_found_from_two_runs(tmp_path, aligned):
     """bf16 contractions' encoders round what they pack to bf16, which keeps 16 bits of a
     code: coded twice, one residue a run, each bf16 region is found in halves and
     a float32 one (a bias) in words, side by side without running on into each other; and
-    each re-packs its weight as the encoder would (bf16 rounded to nearest even)."""
+    each re-packs its weight as the encoder would (bf16 rounded to nearest even). Also with
+    each weight's codes from a multiple of ALIGN, as residue_inputs gives them (unused codes
+    between weights)."""
     # w [N=69990, K=4] packed as [N1, K1=2, N0=16, K0=2] (bf16 pairs), N padded to 70000
     shapes = {"b": (20,), "w": (69990, 4), "v": (4, 4)}
     bases = {"b": 0, "w": 20, "v": 20 + 69990 * 4}  # past the first modulus
+    if aligned:
+        bases = bases_of({k: (s, np.float32) for k, s in shapes.items()}, ALIGN)
+        assert bases == {"b": 0, "w": 32, "v": 280000}
     tiled = Region("w", 0, (69990, 4), ((0, 16, 4375), (1, 2, 2), (0, 1, 16), (1, 1, 2)))
     want = tiled.pack(np.arange(69990 * 4), fill=-1)
     shuffled = np.random.default_rng(0).permutation(16)
