@@ -101,8 +101,10 @@ def test_lavapipe_truncates_long_loops(arch, k, right):
     rel = rel_error(arch, k)
     if right:
         assert rel < 2e-3, rel
-    else:
-        assert rel > 0.5, f"lavapipe ran {k} of K right: its loop limit moved? {rel}"
+    else:  # the truncated loops leave it far off, or NaN (seen once in a CI run)
+        assert np.isnan(rel) or rel > 0.5, (
+            f"lavapipe ran {k} of K right: its loop limit moved? {rel}"
+        )
 
 
 @pytest.mark.parametrize("sums", ["whole", "chunked"])
