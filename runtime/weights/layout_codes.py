@@ -265,6 +265,32 @@ class Units:
             return _residue_of()[u]
         return np.where((u & 0xFFFF) == 0, _residue_of()[u >> 16], -1)
 
+    def halves(self, a: int, b: int) -> tuple[list[np.ndarray], np.ndarray | None]:
+        """Two runs' uint16 code halves of units [a, b) (a float32 word's high half), and
+        where each word's low half is zero in both runs (None for bf16 units)."""
+        if self.itemsize == 2:
+            return [r[a:b] for r in self.runs], None
+        halves = [r[a:b].view(np.uint16) for r in self.runs]  # little-endian: low half first
+        low_zero = halves[0][0::2] == 0
+        low_zero &= halves[1][0::2] == 0
+        return [h[1::2] for h in halves], low_zero
+
+
+def _is_code16(u: np.ndarray) -> np.ndarray:
+    """Where uint16 u is a bf16 code (code16_words): its magnitude in [CODE16_BASE,
+    CODE16_END), in three uint16 passes."""
+    t = u & (SIGN16 - 1)
+    t -= CODE16_BASE  # wraps below it
+    return t < SPAN16
+
+
+def _folded16(u: np.ndarray) -> np.ndarray:
+    """uint16 code16_index(u) + CODE16_BASE where u is a code: the negative codes (sign bit
+    set) are past the positive ones, SIGN16 - SPAN16 below their bits."""
+    s = u >> 15
+    s *= SIGN16 - SPAN16
+    return u - s
+
 
 class Decoder:
     """Maps output codes back to (param index, element index)."""
@@ -297,16 +323,18 @@ class Decoder:
 
     def elements(self, units: Units, a: int, b: int, p: int) -> np.ndarray:
         """int32 element indices of weight p in units [a, b) (PAD for padding), cut at the first
-        code of another weight (FOREIGN ends a region). Decoded in chunks: regions reach 200M
-        units."""
+        code of another weight (FOREIGN ends a region). Decoded in chunks (regions reach 200M
+        units) of 128K units, whose temporaries stay in a core's cache: 2.6x as fast as 16M."""
         start, size = int(self.starts[p]), int(self.sizes[p])
         one_side = start + size <= SPAN or start >= SPAN
         if len(units.runs) == 1 and units.itemsize == 4 and one_side:
             classify = self._by_word(units.runs[0], start, size)
+        elif len(units.runs) == 2:
+            classify = self._by_residues(units, start, size)
         else:
             classify = self._by_index(units, start, size)
         out = np.empty(b - a, np.int32)
-        chunk = 1 << 24
+        chunk = 1 << 17
         for c in range(a, b, chunk):
             mine, e, foreign = classify(c, min(b, c + chunk))
             hit = np.flatnonzero(foreign)
@@ -346,6 +374,46 @@ class Decoder:
             if neg:
                 foreign |= (w - np.uint32(SIGN + CODE_BASE)) < neg
             foreign &= ~mine
+            return mine, e.view(np.int32), foreign
+
+        return classify
+
+    def _by_residues(self, units: Units, start: int, size: int):
+        """_by_index for two runs' residues, in uint32: the index a residue pair names is
+        below MODULI[0] * MODULI[1] < 2**32, so each unit takes a few 4-byte passes instead of
+        index_of_residues' int64 ones and its division (the bf16 UNet's layout decodes ~1G
+        units)."""
+        m0, m1 = MODULI
+        # folded codes (_folded16) are residues + CODE16_BASE, and so is every index below
+        first, size = np.uint32(start + CODE16_BASE), np.uint32(size)
+        total = np.uint32(self.total + CODE16_BASE)
+        past1 = code16_words(np.array([m1]))[0]  # run 1's code past its residues
+
+        def classify(c: int, d: int):
+            (u0, u1), low_zero = units.halves(c, d)
+            ok = _is_code16(u0)
+            ok &= _is_code16(u1)
+            ok &= u1 != past1
+            if low_zero is not None:
+                ok &= low_zero
+            f0 = _folded16(u0)
+            k = np.subtract(_folded16(u1), f0, dtype=np.int32)  # b - a, in (-m0, m1): mod m1
+            neg = k >> 31  # without a division, by adding m1 where negative (a masked add
+            neg &= m1  # is ~10x slower)
+            k += neg
+            x = k.view(np.uint32)
+            x *= m0
+            x += f0  # the index + CODE16_BASE, where ok
+            e = x - first  # wraps: below `size` only for this weight's
+            mine = e < size
+            mine &= ok
+            foreign = x < total
+            foreign &= ok
+            foreign ^= mine  # mine is a part of it: first + e < first + size <= total
+            if not ok.all():  # a unit that is no code and not zero: something else
+                other = units.nonzero(c, d)
+                np.greater(other, ok, out=other)  # and not ok
+                foreign |= other
             return mine, e.view(np.int32), foreign
 
         return classify

@@ -63,7 +63,7 @@ def _steps(n: int, shape: tuple[int, ...]) -> tuple[int, int] | None:
     return None
 
 
-def _first(test, n: int, chunk: int = 1 << 22) -> int | None:
+def _first(test, n: int, chunk: int = 1 << 17) -> int | None:
     """The first index i < n where test(a, b) (a bool array for [a, b)) is True, or None."""
     for a in range(0, n, chunk):
         hit = np.flatnonzero(test(a, min(n, a + chunk)))
@@ -121,8 +121,10 @@ def _check(region: Region, E: np.ndarray, part: bool = False, row: int | None = 
     # integers: a wild candidate's (an AMX bf16x3 weight's lo parts) overflowed int64.
     if math.prod(region.padded()) > 8 * n + (1 << 20):
         return False
-    want = region.pack(np.arange(n, dtype=np.int32), fill=PAD)
-    if not (len(E) >= len(want) and np.array_equal(E[: len(want)], want)):
+    # compared as a strided view (no packed copy: the check reads GBs of E for a bf16 UNet)
+    want = region.strided(np.arange(n, dtype=np.int32), fill=PAD)
+    packed = E[: region.size()]
+    if not np.array_equal(packed.reshape(want.shape), want):
         return False
     if not part:
         return True
@@ -130,7 +132,7 @@ def _check(region: Region, E: np.ndarray, part: bool = False, row: int | None = 
     # element once; never a stray code or a few elements of a shuffle. A raw copy of slices
     # is one run, read as a 1-D shape: its rows are the weight's.
     inner = int(np.prod(region.shape[1:], dtype=np.int64)) if len(region.shape) > 1 else row
-    got = np.sort(want[want >= 0])
+    got = np.sort(packed[packed >= 0])
     first = int(np.ravel_multi_index(region.start(), region.shape))
     return (
         inner is not None
@@ -361,15 +363,19 @@ def _analyse(coded_runs, real_views, params, bases, shapes, weight, derived) -> 
 
 
 def _matches(region: Region, w: np.ndarray, real: np.ndarray, approx: bool) -> bool:
-    packed = region.pack(w)
-    cast = region.cast(packed)
-    got = real[region.offset : region.offset + cast.nbytes]
-    if len(got) != cast.nbytes:
+    """Whether the real output holds region's packed copy of w (bit for bit; within bf16's or
+    float32's tolerance where approx: w recomputed in numpy)."""
+    w = np.ascontiguousarray(w, np.float32)
+    got = real[region.offset : region.offset + region.size() * region.itemsize]
+    if len(got) != region.size() * region.itemsize:
         return False
-    if np.array_equal(got, cast.view(np.uint8)):
+    # the weight's bits cast first, then compared as a strided view: no packed copy
+    bits = region.strided(region.cast(w).view(np.uint16 if region.dtype == "bf16" else np.uint32))
+    if np.array_equal(got.view(bits.dtype).reshape(bits.shape), bits):
         return True
     if not approx:
         return False
+    packed = region.pack(w)
     if region.dtype == "bf16":
         ref = from_bf16(got.view(np.uint16)).astype(np.float64)
         return bool(np.abs(ref - packed).max() <= BF16_TOLERANCE * max(1e-30, np.abs(ref).max()))

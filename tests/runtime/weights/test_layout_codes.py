@@ -160,3 +160,41 @@ def test_one_runs_words_decode_as_their_code_indices_say():
         got = decoder.elements(Units([words.view(np.uint8)], 4), 0, len(words),
                                decoder.keys.index(key))  # fmt: skip
         np.testing.assert_array_equal(got, want)
+
+
+def test_two_runs_classify_in_uint32_as_by_their_indices():
+    """Decoder's two-run classify (uint32 passes, _by_residues) says for every unit what the
+    int64 one from Units.index says (_by_index): the weight's units and their elements, and
+    the units that end its region (another weight's code, a unit that is something else),
+    for indices below and above 2**31, float32 words and bf16 halves."""
+    rng = np.random.default_rng(5)
+    shapes = {"a": (1000,), "w": ((1 << 31) - 64,), "z": (5000,)}  # a weight's elements: int32
+    bases = {"a": 0, "w": 1008, "z": 1008 + (1 << 31) - 64 + 5}
+    decoder = Decoder(bases, shapes)
+    total = bases["z"] + 5000
+    for key in shapes:
+        start, size = bases[key], shapes[key][0]
+        own = start + rng.integers(0, min(size, 1 << 20), 3000)
+        if key == "w":
+            own[:1000] = start + size - 1 - rng.integers(0, 1000, 1000)  # indices past 2**31
+        other = rng.integers(0, MODULI[0] * MODULI[1], 500)  # others', and none's past total
+        x = rng.permutation(np.concatenate([own, other]))
+        runs = [code16_words(x % m) for m in MODULI]
+        runs[0][:40] = 0  # zero in one run: something else
+        runs[0][40:90], runs[1][40:90] = 0, 0  # padding
+        runs[1][90:120] = rng.integers(1, 0x80, 30)  # a subnormal: no code
+        runs[1][120:130] = code16_words(np.full(10, MODULI[1]))  # past the second's residues
+        for itemsize in (2, 4):
+            units = [r.view(np.uint8) if itemsize == 2 else (r.astype(np.uint32) << 16).view(np.uint8)
+                     for r in runs]  # fmt: skip
+            if itemsize == 4:
+                units[1] = units[1].copy()
+                units[1].view(np.uint32)[130:140] |= 1  # a low half not zero
+            u = Units(units, itemsize)
+            fast = decoder._by_residues(u, start, size)(0, u.n)
+            slow = decoder._by_index(u, start, size)(0, u.n)
+            np.testing.assert_array_equal(fast[0], slow[0])
+            np.testing.assert_array_equal(fast[1][fast[0]], slow[1][slow[0]])
+            np.testing.assert_array_equal(fast[2], slow[2])
+            assert fast[0].sum() >= 2800 and fast[2].sum() >= 60
+            assert int(total) == decoder.total
