@@ -20,7 +20,8 @@ from .layout_codes import NONCODE, PAD, Decoder, Units, coded_inputs
 SCAN_MIN, SCAN_MAX = 1 << 10, 1 << 22  # words decoded at once while scanning
 # Seconds one layout may take to learn; past them it is given up as incomplete (no pruning, the
 # encoder for a LoRA), as the full-size bf16 UNet on an avx512_bf16 CPU would take hours
-# (compile/NOTES.md). The fp32 SD 1.5 UNet's takes ~450 s.
+# (compile/NOTES.md). The SD 1.5 UNet's takes ~80 s (bf16) to ~120 s (fp32, AVX2) on a 2-core
+# Xeon (tools/PERFORMANCE.md, sixty-sixth session).
 BUDGET_ENV, BUDGET_DEFAULT_S = "SDIREE_LAYOUT_BUDGET_S", 1800.0
 
 
