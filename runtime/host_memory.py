@@ -19,21 +19,25 @@ threshold rises (to 32 MiB at most) with each large block freed, so after the fi
 arrays came from the heap and each stage's freed high-water mark stayed resident, fragmented,
 under the next. `map_large_blocks` pins the threshold (every block of 1 MiB or more its own
 mapping, unmapped when freed) and the driver trims the heap after each stage: SD 1.5 bf16's
-compile peaked at 2.09 GiB instead of 2.92-3.03 (compile/NOTES.md).
+compile peaked at 2.09 GiB instead of 2.92-3.03 (compile/NOTES.md). The layout learning's
+analysis, whose numpy temporaries are many and large, keeps its freed heap for itself
+(`freed_heap_kept`; its encoder runs do not, their buffers are GBs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import os
 
-# mallopt parameter numbers from glibc's malloc.h.
+# mallopt parameter numbers from glibc's malloc.h, and glibc's defaults of the two restored.
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
 LARGE_BLOCK = 1 << 20
+DEFAULT_TRIM_THRESHOLD, DEFAULT_MMAP_MAX = 128 * 1024, 65536
 
 _applied: bool | None = None
 
@@ -57,6 +61,25 @@ def map_large_blocks(threshold: int = LARGE_BLOCK) -> bool:
     for the rest of the process (a pinned threshold no longer moves); True once applied."""
     mallopt = _mallopt()
     return mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, threshold))
+
+
+@contextlib.contextmanager
+def freed_heap_kept():
+    """Within: freed blocks stay in the heap for the next allocation (no mmap, no trim), as
+    keep_freed_host_memory does for the runtime; after: large blocks are mapped again and the
+    kept heap is released. For a compile stage of many large numpy temporaries (the layout
+    learning: each one's fresh pages cost ~9 ns an int32 element here, more than the pass)."""
+    mallopt = _mallopt()
+    if mallopt is None or _applied:  # glibc's, opted out; or the runtime keeps it anyway
+        yield bool(_applied)
+        return
+    applied = bool(mallopt(M_TRIM_THRESHOLD, -1)) and bool(mallopt(M_MMAP_MAX, 0))
+    try:
+        yield applied
+    finally:
+        mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
+        mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
+        release_freed_heap()
 
 
 def release_freed_heap() -> bool:

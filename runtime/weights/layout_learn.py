@@ -290,6 +290,7 @@ def learn(
     SD 1.5-size UNet's 11.5 GB output never stays resident."""
     import contextlib
 
+    from ..host_memory import freed_heap_kept
     from .encoder import file_io, run_encoder
     from .pages import entry_views, zeroed_like
 
@@ -313,7 +314,8 @@ def learn(
                 del sources
         shapes = {k: tuple(s) for k, (s, _) in params.items()}
         coded = [entry_views(o) for o in outs]
-        return _analyse(coded, entry_views(encoded), params, bases, shapes, weight, derived)
+        with freed_heap_kept():  # many large numpy temporaries: reused pages, not new ones
+            return _analyse(coded, entry_views(encoded), params, bases, shapes, weight, derived)
     finally:
         for p in (coded_in, *outs):
             with contextlib.suppress(OSError):

@@ -23,7 +23,16 @@ pytestmark = pytest.mark.skipif(
 PROBE = """
 import ctypes, json, resource, sys
 from sdiree.runtime import host_memory
-applied = host_memory.keep_freed_host_memory() if sys.argv[1] == "keep" else None
+applied = host_memory.keep_freed_host_memory() if sys.argv[1] in ("keep", "keep-stage") else None
+if sys.argv[1] == "keep-stage":  # a stage that keeps its heap, run by the runtime: no change
+    with host_memory.freed_heap_kept() as kept:
+        applied = applied and kept
+if sys.argv[1] in ("inside", "after"):  # the compile's setting, then a stage that keeps its heap
+    host_memory.map_large_blocks()
+    kept = host_memory.freed_heap_kept()
+    applied = kept.__enter__()
+    if sys.argv[1] == "after":
+        kept.__exit__(None, None, None)
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = (ctypes.c_void_p,)
@@ -55,6 +64,15 @@ def test_freed_block_is_reused_without_faults():
     assert kept["applied"] is True
     assert default["faults"] > 8000  # glibc unmapped the block, the next one faults again
     assert kept["faults"] < 800
+
+
+def test_a_stage_keeps_its_freed_heap_and_maps_again_after():
+    inside, after = probe("inside"), probe("after")
+    assert inside["applied"] is True
+    assert inside["faults"] < 800  # the freed block reused
+    assert after["faults"] > 8000  # large blocks mapped (and unmapped when freed) again
+    runtime = probe("keep-stage")  # where the runtime keeps its heap, it stays kept after
+    assert runtime["applied"] is True and runtime["faults"] < 800
 
 
 def test_opt_out_leaves_glibc_alone():
