@@ -51,9 +51,13 @@ def keep_freed_host_memory() -> bool:
     mallopt = _mallopt()
     if mallopt is None:
         return False
-    # A trim threshold of -1 turns trimming off (mallopt(3)).
-    _applied = bool(mallopt(M_TRIM_THRESHOLD, -1)) and bool(mallopt(M_MMAP_MAX, 0))
+    _applied = _keep_freed(mallopt)
     return _applied
+
+
+def _keep_freed(mallopt) -> bool:
+    """Neither mmap nor trim (a trim threshold of -1 turns trimming off, mallopt(3))."""
+    return bool(mallopt(M_TRIM_THRESHOLD, -1)) and bool(mallopt(M_MMAP_MAX, 0))
 
 
 def map_large_blocks(threshold: int = LARGE_BLOCK) -> bool:
@@ -73,7 +77,7 @@ def freed_heap_kept():
     if mallopt is None or _applied:  # glibc's, opted out; or the runtime keeps it anyway
         yield bool(_applied)
         return
-    applied = bool(mallopt(M_TRIM_THRESHOLD, -1)) and bool(mallopt(M_MMAP_MAX, 0))
+    applied = _keep_freed(mallopt)
     try:
         yield applied
     finally:

@@ -369,8 +369,9 @@ def _matches(region: Region, w: np.ndarray, real: np.ndarray, approx: bool) -> b
     """Whether the real output holds region's packed copy of w (bit for bit; within bf16's or
     float32's tolerance where approx: w recomputed in numpy)."""
     w = np.ascontiguousarray(w, np.float32)
-    got = real[region.offset : region.offset + region.size() * region.itemsize]
-    if len(got) != region.size() * region.itemsize:
+    nbytes = region.size() * region.itemsize
+    got = real[region.offset : region.offset + nbytes]
+    if len(got) != nbytes:
         return False
     # the weight's bits cast first, then compared as a strided view: no packed copy
     bits = region.strided(region.cast(w).view(np.uint16 if region.dtype == "bf16" else np.uint32))
