@@ -7,7 +7,9 @@ of the inner model's own state dict, so one parameter archive serves every targe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,23 +75,73 @@ class ExportPlan:
         return {f.name: f.to_json() for f in self.functions}
 
 
-def export_to_mlir(plan: ExportPlan, mlir_path: Path, strict: bool = False) -> None:
+def export_to_mlir(
+    plan: ExportPlan, mlir_path: Path, strict: bool = False, one_trace: bool = True
+) -> None:
     """Trace every entry function of plan and write one MLIR module (bytecode) to mlir_path.
 
     torch.export runs non-strict by default here: it traces the Python as it runs instead of
     first analysing its bytecode with dynamo. That gives the same MLIR for every exporter and
     export choice (tests/compile/exporters/test_base.py) in about half the time: the SD 1.5-size
     UNet with the cpu preset exports in 212 s instead of 426 s (tools/PERFORMANCE.md).
+
+    With one_trace (the default) each function is traced once, decompositions applied as it
+    is traced (`decomposed_while_traced`), instead of traced and then traced again by
+    turbine's `run_decompositions`: the same IR for iree-compile in about half the time again.
     """
     from iree.turbine import aot
 
     aot.externalize_module_parameters(plan.params_module, external_scope=plan.scope)
     fxb = aot.FxProgramsBuilder(plan.root)
-    for spec in plan.functions:
-        args = tuple(t.example() for t in spec.inputs)
-        fxb.export_program(spec.fn, name=spec.name, args=args, strict=strict)
+    with decomposed_while_traced() if one_trace else contextlib.nullcontext():
+        for spec in plan.functions:
+            args = tuple(t.example() for t in spec.inputs)
+            fxb.export_program(spec.fn, name=spec.name, args=args, strict=strict)
     output = aot.export(fxb, module_name=plan.submodule)
     output.save_mlir(mlir_path)
+
+
+@contextlib.contextmanager
+def decomposed_while_traced() -> Iterator[None]:
+    """Within it, turbine's `export_program` traces straight to the ATen graph it would get
+    from two traces: torch.export's training graph, then `run_decompositions` with turbine's
+    AOT table retracing all of it (half of an export's time, ~1.7 ms a node under cProfile on
+    a 12k-node Winograd VAE). Here torch.export traces below autograd at once
+    (`pre_dispatch=False`) with the table's post-autograd decompositions, and keeps the
+    composite ops the table leaves alone (`aten.group_norm`, `aten.linear`) exactly as
+    `run_decompositions` does. The graph differs only by `_assert_tensor_metadata` checks,
+    which iree's torch input conversion drops: iree-compile's input is byte for byte the same
+    (compile/NOTES.md, "Export"; tests/compile/exporters/test_base.py).
+
+    These are torch's private functions; where a torch lacks them the two traces run."""
+    import torch.export._trace as trace
+    from iree.turbine.aot import fx_programs
+    from torch.export import exported_program as program
+
+    try:
+        to_aten, export_now = trace._export_to_aten_ir, trace._export
+        split, keep_composites = (
+            program._split_decomp_table_to_cia_and_python_decomp,
+            program._override_composite_implicit_decomp,
+        )
+    except AttributeError:
+        yield
+        return
+    composites, post_autograd = split(dict(fx_programs.current_aot_decompositions()))
+
+    def traced_once(mod, args=(), kwargs=None, *, dynamic_shapes=None, strict=True):
+        return export_now(mod, args, kwargs, dynamic_shapes, strict=strict, pre_dispatch=False)
+
+    saved = torch.export.export, fx_programs.current_aot_decompositions
+    trace._export_to_aten_ir = functools.partial(to_aten, decomp_table=post_autograd)
+    torch.export.export = traced_once
+    fx_programs.current_aot_decompositions = dict  # nothing left to decompose after it
+    try:
+        with keep_composites(composites):
+            yield
+    finally:
+        trace._export_to_aten_ir = to_aten
+        torch.export.export, fx_programs.current_aot_decompositions = saved
 
 
 def save_parameters(

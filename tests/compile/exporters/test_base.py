@@ -1,4 +1,6 @@
-"""The export call: non-strict torch.export (the default) writes the same MLIR as strict export."""
+"""The export call: non-strict torch.export (the default) writes the same MLIR as strict export,
+and one trace with the decompositions applied while tracing (the default) gives iree-compile the
+same input as turbine's two traces."""
 
 from __future__ import annotations
 
@@ -22,6 +24,19 @@ def mlir_text(path) -> str:
 
     with ir.Context():
         return str(ir.Module.parse(path.read_bytes()))
+
+
+def compiler_input(path) -> str:
+    """What iree-compile makes of an export before anything target-specific: its torch input
+    conversion (which drops torch.export's `_assert_tensor_metadata` checks), as text."""
+    import subprocess
+
+    from sdiree.compile.iree_compile import iree_compile_tool
+
+    out = path.with_suffix(".input.mlir")
+    cmd = [iree_compile_tool(), "--iree-input-type=torch", "--compile-to=input", str(path)]
+    subprocess.run([*cmd, "-o", str(out)], check=True)
+    return out.read_text()
 
 
 def export_both(make_plan, tmp_path) -> tuple[str, str]:
@@ -70,3 +85,58 @@ def test_chunked_attention_exports_the_same_either_way(tmp_path):
     strict, loose = export_both(plan, tmp_path)
     assert strict.count("torch.aten.mm") == 4  # per head: scores and values
     assert strict == loose
+
+
+def export_traced_once_and_twice(make_plan, tmp_path) -> tuple[str, str]:
+    paths = []
+    for one in (True, False):
+        path = tmp_path / f"one-trace-{one}.mlirbc"
+        export_to_mlir(make_plan(), path, one_trace=one)
+        paths.append(path)
+    # the torch-level graphs are not the same text (the checks, and SSA names after them)
+    assert "_assert_tensor_metadata" in mlir_text(paths[1])
+    assert "_assert_tensor_metadata" not in mlir_text(paths[0])
+    return compiler_input(paths[0]), compiler_input(paths[1])
+
+
+def test_one_trace_gives_iree_the_same_text_encoder(tiny_model, tmp_path):
+    """Linears and layer norms: composites turbine's table keeps (aten.linear) or decomposes
+    (native_layer_norm), and the embedding's lookups."""
+    from transformers import CLIPTextModel
+
+    def plan():
+        model = CLIPTextModel.from_pretrained(tiny_model / "text_encoder")
+        return plan_text_encoder(
+            model, submodule="text_encoder", batch=1, max_length=77, dtype=torch.float32,
+            attention="chunked",
+        )  # fmt: skip
+
+    once, twice = export_traced_once_and_twice(plan, tmp_path)
+    assert "linalg.matmul" in once or "linalg.batch_matmul" in once
+    assert once == twice
+
+
+def test_one_trace_gives_iree_the_same_winograd_vae_decoder(tmp_path):
+    """The cpu presets' decoder: channels-last, F(4x4,3x3) Winograd convs (thousands of
+    slices, adds and matmuls) and the mid attention's aten.group_norm, a composite that
+    decomposed while traced would become index gathers unless kept as run_decompositions
+    keeps it."""
+    from diffusers import AutoencoderKL
+
+    from sdiree.compile.exporters.vae import plan_vae_decoder
+
+    def plan():
+        torch.manual_seed(0)
+        model = AutoencoderKL(
+            block_out_channels=(16, 32), layers_per_block=1, norm_num_groups=8,
+            latent_channels=4, down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+        ).eval()  # fmt: skip
+        return plan_vae_decoder(
+            model, batch=1, image_hw=(16, 16), dtype=torch.float32, attention="chunked",
+            conv="winograd4", layout="channels_last",
+        )  # fmt: skip
+
+    once, twice = export_traced_once_and_twice(plan, tmp_path)
+    assert once.count("linalg.matmul") + once.count("linalg.batch_matmul") > 20
+    assert once == twice
