@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,19 +115,14 @@ def decomposed_while_traced() -> Iterator[None]:
     (compile/NOTES.md, "Export"; tests/compile/exporters/test_base.py).
 
     These are torch's private functions; where a torch lacks them the two traces run."""
-    import torch.export._trace as trace
     from iree.turbine.aot import fx_programs
-    from torch.export import exported_program as program
 
-    try:
-        to_aten, export_now = trace._export_to_aten_ir, trace._export
-        split, keep_composites = (
-            program._split_decomp_table_to_cia_and_python_decomp,
-            program._override_composite_implicit_decomp,
-        )
-    except AttributeError:
+    api = _one_trace_api()
+    if api is None:
         yield
         return
+    trace, split, keep_composites = api
+    to_aten, export_now = trace._export_to_aten_ir, trace._export
     composites, post_autograd = split(dict(fx_programs.current_aot_decompositions()))
 
     def traced_once(mod, args=(), kwargs=None, *, dynamic_shapes=None, strict=True):
@@ -142,6 +138,23 @@ def decomposed_while_traced() -> Iterator[None]:
     finally:
         trace._export_to_aten_ir = to_aten
         torch.export.export, fx_programs.current_aot_decompositions = saved
+
+
+def _one_trace_api():
+    """(torch.export._trace, the decomposition table's splitter, the composites' override)
+    where this torch has them as decomposed_while_traced uses them, else None."""
+    import torch.export._trace as trace
+    from torch.export import exported_program as program
+
+    try:
+        split = program._split_decomp_table_to_cia_and_python_decomp
+        keep_composites = program._override_composite_implicit_decomp
+        to_aten, _ = trace._export_to_aten_ir, trace._export
+    except AttributeError:
+        return None
+    if "decomp_table" not in inspect.signature(to_aten).parameters:
+        return None
+    return trace, split, keep_composites
 
 
 def save_parameters(
