@@ -32,6 +32,8 @@ DEFAULT_COMBOS = (
 
 
 def compiler_input(mlir: Path) -> str:
+    """What iree-compile makes of an export before anything target-specific: its torch input
+    conversion (which drops torch.export's `_assert_tensor_metadata` checks), as text."""
     from sdiree.compile.iree_compile import iree_compile_tool
 
     out = mlir.with_suffix(".input.mlir")
@@ -40,27 +42,25 @@ def compiler_input(mlir: Path) -> str:
     return out.read_text()
 
 
-def exports_of(model: Path, target: str, arch: str, dtype: str, work: Path):
-    """(builder, submodule) for each submodule this compile would export."""
-    from sdiree.compile.driver import Builder
+def plan_of(model: Path, target: str, arch: str, dtype: str, work: Path):
+    """The compile's plan (raises UserError where the registry refuses the combination)."""
     from sdiree.compile.plan import CompileOptions, resolve
     from sdiree.compile.report import Reporter
 
     opts = CompileOptions(model, target=target, arch=arch, dtype=dtype, out=work / "artifact")
-    plan = resolve(opts, Reporter())
-    b = Builder(plan, Reporter())
-    return [(b, sub) for sub in plan.submodules]
+    return resolve(opts, Reporter())
 
 
-def export_both(b, sub: str, work: Path) -> tuple[bool, list[float]]:
+def export_both(plan, sub: str, work: Path) -> tuple[bool, list[float]]:
+    from sdiree.compile.driver import Builder
     from sdiree.compile.exporters import kernel_isa
     from sdiree.compile.exporters.amx_matmul import set_kernel_isa
     from sdiree.compile.exporters.base import export_to_mlir
+    from sdiree.compile.report import Reporter
 
     texts, seconds = [], []
     for one in (True, False):
-        # a fresh model each time: planning may cast it
-        b._plans.clear(), b._torch_models.clear(), b._sources.clear()
+        b = Builder(plan, Reporter())  # a fresh model each time: planning may cast it
         xplan = b.export_plan(sub)
         set_kernel_isa(kernel_isa(b.export_options(sub)))
         mlir = work / f"{sub}-{one}.mlirbc"
@@ -85,18 +85,18 @@ def main(argv: list[str] | None = None) -> int:
             for combo in args.combos.split(","):
                 target, arch, dtype = combo.split(":")
                 try:
-                    pairs = exports_of(model, target, arch, dtype, work)
+                    plan = plan_of(model, target, arch, dtype, work)
                 except UserError as e:  # a refused combination (the registry's reason)
                     print(f"refused {model.name} {combo}: {e}", flush=True)
                     continue
-                for b, sub in pairs:
-                    options = b.export_options(sub)
-                    dtypes = [b.plan.export_dtype, b.plan.submodule_export_dtype(sub)]
+                for sub in plan.submodules:
+                    options = plan.target.export_for(sub, plan.dtype, plan.arch)
+                    dtypes = [plan.export_dtype, plan.submodule_export_dtype(sub)]
                     key = json.dumps([str(model), sub, dtypes, options], sort_keys=True)
                     if key in seen:
                         continue
                     seen.add(key)
-                    same, (once, twice) = export_both(b, sub, work)
+                    same, (once, twice) = export_both(plan, sub, work)
                     diffs += not same
                     print(
                         f"{'SAME' if same else 'DIFF'} {model.name} {combo} {sub}: "

@@ -149,10 +149,10 @@ def _one_trace_api():
     try:
         split = program._split_decomp_table_to_cia_and_python_decomp
         keep_composites = program._override_composite_implicit_decomp
-        to_aten, _ = trace._export_to_aten_ir, trace._export
+        to_aten = trace._export_to_aten_ir
     except AttributeError:
         return None
-    if "decomp_table" not in inspect.signature(to_aten).parameters:
+    if not hasattr(trace, "_export") or "decomp_table" not in inspect.signature(to_aten).parameters:
         return None
     return trace, split, keep_composites
 

@@ -8,6 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from export_parity import compiler_input  # noqa: E402  (tools/ is on sys.path: tests/conftest.py)
+
 from sdiree.compile.exporters.attention import ChunkedAttnProcessor  # noqa: E402
 from sdiree.compile.exporters.base import (  # noqa: E402
     ExportPlan,
@@ -24,19 +26,6 @@ def mlir_text(path) -> str:
 
     with ir.Context():
         return str(ir.Module.parse(path.read_bytes()))
-
-
-def compiler_input(path) -> str:
-    """What iree-compile makes of an export before anything target-specific: its torch input
-    conversion (which drops torch.export's `_assert_tensor_metadata` checks), as text."""
-    import subprocess
-
-    from sdiree.compile.iree_compile import iree_compile_tool
-
-    out = path.with_suffix(".input.mlir")
-    cmd = [iree_compile_tool(), "--iree-input-type=torch", "--compile-to=input", str(path)]
-    subprocess.run([*cmd, "-o", str(out)], check=True)
-    return out.read_text()
 
 
 def export_both(make_plan, tmp_path) -> tuple[str, str]:
