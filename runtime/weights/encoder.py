@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ..fileutil import atomic_path
+from . import irpa_writer
 
 SPLAT, DATA = 0, 1
 
@@ -112,9 +113,9 @@ def run_encoder(
         ctx.invoke(fn, args or rt.VmVariantList(0), out_list)
         return out_list
 
-    # The archive is laid out first, zero-filled (the never-written np.zeros below cost no
-    # memory), then the encoder writes its data entries through a file handle.
-    layout = rt.ParameterIndex()
+    # The archive is laid out first, its data reserved but not written (irpa_writer), then the
+    # encoder writes its data entries through a file handle.
+    layout: list[irpa_writer.Entry] = []
     lengths = {}
     scopes = invoke(context(), functions["indices"]).get_as_list(0)
     for i in range(scopes.size):
@@ -128,11 +129,11 @@ def run_encoder(
             if kind == SPLAT:
                 pattern_bytes = e.get_variant(5)
                 pattern = np.array([e.get_variant(4)], np.uint64).view(np.uint8)[:pattern_bytes]
-                layout.add_splat(key, pattern.copy(), length)
+                layout.append(irpa_writer.Entry(key, length, splat=pattern.tobytes()))
             else:
-                layout.add_buffer(key, np.zeros(length, np.uint8))  # untouched pages: no RSS
+                layout.append(irpa_writer.Entry(key, length))
                 lengths[key] = length
-    count = len(layout.items())
+    count = len(layout)
     if count == 0:
         return 0
     if into is not None:
@@ -144,13 +145,12 @@ def run_encoder(
         _encode(functions, context(output.create_provider(scope=scope)), device)
         return count
     with atomic_path(out) as tmp:
-        written = layout.create_archive_file(str(tmp))
-        offsets = {k: int(e.file_storage[1]) for k, e in written.items() if k in lengths}
-        del written  # its mapping of the file
-        if file_io(device):
-            _encode_to_file(functions, context, device, scope, tmp, lengths, offsets)
-        else:
+        mapped = not file_io(device)  # a full disk must fail here, not under the mapping
+        offsets = irpa_writer.create(tmp, layout, reserve=mapped)
+        if mapped:
             _encode_to_mapping(functions, context, device, scope, tmp, lengths, offsets)
+        else:
+            _encode_to_file(functions, context, device, scope, tmp, lengths, offsets)
     return count
 
 

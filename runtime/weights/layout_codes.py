@@ -144,17 +144,12 @@ def write_coded_archive(
     the code of its index among all coded elements, code_words), the others with their real
     bytes (`weight(key)`); returns bases_of(params). Written a chunk at a time, so the SD
     1.5-size UNet's 7.8 GB of coded inputs never sit in memory."""
-    import iree.runtime as rt
+    from .irpa_writer import Entry, create, pwrite_all
 
-    from .pages import _pwrite
-
-    plan = rt.ParameterIndex()
-    for key, (shape, dtype) in params.items():
-        n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        plan.add_buffer(key, np.zeros(n, np.uint8))  # never touched: costs no memory
-    written = plan.create_archive_file(str(path))
-    offsets = {k: int(e.file_storage[1]) for k, e in written.items()}
-    del written, plan
+    offsets = create(path, [
+        Entry(key, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
+        for key, (shape, dtype) in params.items()
+    ])  # fmt: skip
     bases = bases_of(params)
     chunk = 1 << 22  # elements
     fd = os.open(path, os.O_RDWR)
@@ -162,12 +157,12 @@ def write_coded_archive(
         for key, (shape, _) in params.items():
             if key not in bases:
                 w = np.ascontiguousarray(weight(key)).reshape(-1).view(np.uint8)
-                _pwrite(fd, w, offsets[key])
+                pwrite_all(fd, w, offsets[key])
                 continue
             n, at = int(np.prod(shape, dtype=np.int64)), bases[key]
             for i in range(0, n, chunk):
                 codes = code_words(at + i, at + min(n, i + chunk))
-                _pwrite(fd, codes.view(np.uint8), offsets[key] + 4 * i)
+                pwrite_all(fd, codes.view(np.uint8), offsets[key] + 4 * i)
     finally:
         os.close(fd)
     return bases

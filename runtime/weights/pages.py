@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..fileutil import atomic_path
+from . import irpa_writer
 
 PAGES_KEY = "sdiree.pages"
 META_PREFIX = "SDIREE_PAGES:"
@@ -97,13 +98,6 @@ def _pread(fd: int, into: np.ndarray, offset: int) -> None:
         done += got
 
 
-def _pwrite(fd: int, data: np.ndarray, offset: int) -> None:
-    """Write the uint8 array data to the file at offset."""
-    done, view = 0, memoryview(data)
-    while done < len(data):
-        done += os.pwrite(fd, view[done:], offset + done)
-
-
 def _segments(starts: np.ndarray) -> list[tuple[int, int]]:
     """(first index, count) of the segments that each True of starts begins (starts[0] True)."""
     brk = np.flatnonzero(starts)
@@ -128,8 +122,7 @@ def write_paged(src: Path, out: Path, only_if_shared: bool = False) -> PagedStat
     data_entries, splats = [], []
     for key, e in index.items():
         if e.is_splat:
-            meta = bytes(e.metadata or b"").decode("utf-8", "replace") or None
-            splats.append((key, bytes(e.splat_pattern), int(e.length), meta))
+            splats.append((key, bytes(e.splat_pattern), int(e.length), bytes(e.metadata or b"")))
         else:
             data_entries.append((key, int(e.file_storage[1]), int(e.length)))
     del index  # its mapping of src: the pages are read, not mapped (_Pages)
@@ -141,8 +134,6 @@ def write_paged(src: Path, out: Path, only_if_shared: bool = False) -> PagedStat
 
 
 def _write_paged(pages: _Pages, splats: list, out: Path, only_if_shared: bool):
-    import iree.runtime as rt
-
     data_entries = pages.entries
     weights = np.random.default_rng(0x5D1EE).integers(1, 2**63, PAGE // 8, dtype=np.uint64)
     weights |= np.uint64(1)
@@ -189,21 +180,21 @@ def _write_paged(pages: _Pages, splats: list, out: Path, only_if_shared: bool):
         {"version": FORMAT_VERSION, "page": PAGE, "entries": layout}, separators=(",", ":")
     )
     store_bytes = n_store * PAGE
-    plan = rt.ParameterIndex()
-    for key, pattern, length, smeta in splats:
-        plan.add_splat(key, np.frombuffer(pattern, np.uint8).copy(), length, metadata=smeta)
-    plan.add_buffer(PAGES_KEY, np.zeros(store_bytes + PAGE, np.uint8), metadata=meta)
+    plan = [
+        irpa_writer.Entry(key, length, smeta, pattern) for key, pattern, length, smeta in splats
+    ]
+    plan.append(irpa_writer.Entry(PAGES_KEY, store_bytes + PAGE, meta.encode()))
     with atomic_path(out) as tmp:
-        written = plan.create_archive_file(str(tmp))
-        start = _round_up(int(dict(written.items())[PAGES_KEY].file_storage[1]), PAGE)
-        del written
+        start = _round_up(irpa_writer.create(tmp, plan)[PAGES_KEY], PAGE)
         # written through a descriptor, not a writable mapping (dirty mapped pages are RSS)
         target = os.open(tmp, os.O_RDWR)
         try:
             for a, n in _true_runs(~shared):
                 for c in range(0, n, _CHUNK_PAGES):
                     take = min(_CHUNK_PAGES, n - c)
-                    _pwrite(target, pages.read(a + c, take), start + int(slot[a + c]) * PAGE)
+                    irpa_writer.pwrite_all(
+                        target, pages.read(a + c, take), start + int(slot[a + c]) * PAGE
+                    )
             os.fsync(target)
         finally:
             os.close(target)
@@ -307,15 +298,11 @@ def zeroed_like(path: Path, out: Path) -> bool:
     probe.load(str(path))
     if paged_layout(probe) is None:
         return False
-    plan = rt.ParameterIndex()
-    for key, e in probe.items():
-        meta = bytes(e.metadata or b"").decode("utf-8", "replace") or None
-        if e.is_splat:
-            pattern = np.frombuffer(bytes(e.splat_pattern), np.uint8).copy()
-            plan.add_splat(key, pattern, int(e.length), metadata=meta)
-        else:
-            plan.add_buffer(key, np.zeros(int(e.length), np.uint8), metadata=meta)
-    plan.create_archive_file(str(out))
+    irpa_writer.create(out, [
+        irpa_writer.Entry(key, int(e.length), bytes(e.metadata or b""),
+                          bytes(e.splat_pattern) if e.is_splat else None)
+        for key, e in probe.items()
+    ])  # fmt: skip
     return True
 
 

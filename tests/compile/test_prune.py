@@ -224,3 +224,35 @@ def test_an_amx_fp32_artifact_keeps_the_archives_of_its_split_weights_whole(comp
         assert not any(e.recovered for e in Archive(art / name).entries.values()), name
     assert sidecar_path(art / "text_encoder.irpa").exists()
     assert (art / "text_encoder.layout.json").exists()
+
+
+def test_the_kept_subset_is_written_as_iree_writes_it(tmp_path):
+    """_write_subset copies the kept entries file to file (data, splats, metadata) into the
+    same bytes iree's own writer makes of them."""
+    import iree.runtime as rt
+
+    from sdiree.compile.prune import _write_subset
+
+    rng = np.random.default_rng(3)
+    entries = {
+        "a.weight": (rng.integers(0, 256, 1000, dtype=np.uint8), "PYTORCH:{}"),
+        "b.bias": (np.full(16, 7, np.uint8), None),  # a splat
+        "c.weight": (rng.integers(0, 256, 4099, dtype=np.uint8), None),
+        "d.weight": (rng.integers(0, 256, 65, dtype=np.uint8), "m"),
+    }
+
+    def archive(keys, path):
+        index = rt.ParameterIndex()
+        for key in keys:
+            data, meta = entries[key]
+            if key == "b.bias":
+                index.add_splat(key, data[:1].copy(), len(data), metadata=meta)
+            else:
+                index.add_buffer(key, data, metadata=meta)
+        index.create_archive_file(str(path))
+
+    archive(entries, tmp_path / "full.irpa")
+    kept = ["d.weight", "b.bias", "a.weight"]
+    archive(kept, tmp_path / "want.irpa")
+    _write_subset(Archive(tmp_path / "full.irpa"), kept, tmp_path / "got.irpa")
+    assert (tmp_path / "got.irpa").read_bytes() == (tmp_path / "want.irpa").read_bytes()
