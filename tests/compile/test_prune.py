@@ -256,3 +256,26 @@ def test_the_kept_subset_is_written_as_iree_writes_it(tmp_path):
     archive(kept, tmp_path / "want.irpa")
     _write_subset(Archive(tmp_path / "full.irpa"), kept, tmp_path / "got.irpa")
     assert (tmp_path / "got.irpa").read_bytes() == (tmp_path / "want.irpa").read_bytes()
+
+
+def test_close_decides_in_float32_as_in_float64():
+    """_close's float32 path accepts and refuses what a float64 comparison does, with a margin
+    on the safe side: never a weight whose exact difference passes the tolerance."""
+    from sdiree.compile.prune import WINOGRAD_TOLERANCE, _close
+
+    rng = np.random.default_rng(5)
+    want = rng.standard_normal((64, 9)).astype(np.float32)
+    limit = WINOGRAD_TOLERANCE * float(np.abs(want).max())
+    for factor, expected in ((0.5, True), (0.99, True), (1.01, False), (3.0, False)):
+        got = want.copy()
+        got[7, 3] += np.float32(factor * limit)
+        exact = np.abs(got.astype(np.float64) - want.astype(np.float64)).max()
+        assert _close(got, want) is expected == bool(exact <= limit)
+    nan = want.copy()
+    nan[0, 0] = np.nan
+    assert not _close(nan, want)
+    assert _close(want.copy(), want)
+    assert not _close(want[:, :8].copy(), want)
+    rounded = want.copy()
+    rounded[1, 1] += np.float32(1e-3)  # exactly bf16-rounded it is not; within 2**-6 it is
+    assert _close(rounded, want, rounded=True)
