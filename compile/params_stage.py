@@ -116,7 +116,9 @@ class ParamsStage:
                             derived=i > 0,
                             source=self.weight_source(COMPONENTS[submodule]),
                         )
-                    except RuntimeError as e:
+                    except (RuntimeError, OSError) as e:
+                        # named by the archive's path (a write's OSError names no file), so
+                        # the message says the cache is full, not the output folder
                         if DISK_FULL.search(str(e)):
                             raise OSError(errno.ENOSPC, str(e), str(path)) from None
                         raise

@@ -82,6 +82,21 @@ def test_full_disk_is_one_line(tiny_model, tmp_path, monkeypatch):
     assert f"set {driver.CACHE_ENV} elsewhere" in str(e.value)
 
 
+def test_full_disk_while_writing_weights_names_the_cache(tiny_model, tmp_path, monkeypatch):
+    """An archive's write fails as a plain OSError naming no file (a pwrite): the message
+    still names the cache's params folder, where it was writing, and what to do about it."""
+    from sdiree.compile.exporters import base
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setenv("SDIREE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(base, "save_parameters", full)
+    with pytest.raises(UserError, match=r"^no space left on device writing to .*/params/") as e:
+        compile_quietly(tiny_model, tmp_path / "out")
+    assert f"set {driver.CACHE_ENV} elsewhere" in str(e.value)
+
+
 @pytest.fixture
 def tiny_fs(tmp_path):
     """A 64 KiB tmpfs, where this process may mount one (root in most sandboxes)."""
