@@ -303,7 +303,8 @@ def _prune(cache_dir: Path, keep: Path) -> None:
 
 @contextlib.contextmanager
 def _disk_full_is_user_error(where: Path, name: str) -> Iterator[None]:
-    """iree's archive writer reports a full disk as a RuntimeError: one line instead."""
+    """A full disk while writing the encoded weights (an OSError of a write, or a RuntimeError
+    from iree): one line instead."""
     try:
         yield
     except (OSError, RuntimeError) as e:
