@@ -7,6 +7,7 @@ numpy. The driver's Builder (compile/driver.py) calls it with itself."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -78,8 +79,10 @@ def compile_encoded(
             return None
         with b.r.stage("encode", submodule):
             if cached is None:  # compiled just now: its encoder too
+                # from stdin: the encoder MLIR's temp path would land in the module
+                from_stdin = functools.partial(compile_mlir, from_stdin=True)
                 compile_encoder(
-                    enc_mlir, enc_vmfb, _encoder_module_flags(b, flags), log, compile_mlir
+                    enc_mlir, enc_vmfb, _encoder_module_flags(b, flags), log, from_stdin
                 )
                 b.modules.store(mkey, {"vmfb": vmfb, "encoder": enc_vmfb})
             count = run_encoder(

@@ -103,15 +103,15 @@ def _tree_cpu_ticks(pid: int) -> int | None:
     return total if seen else None
 
 
-def _run_once(cmd: list[str]) -> tuple[int, str, bool]:
-    """Run cmd: its exit status, its stderr and stdout, and whether it was killed for making no
-    progress. The child is killed and reaped if this returns by an exception (Ctrl-C,
-    SIGTERM)."""
-    with _sigterm_unwinds():
+def _run_once(cmd: list[str], stdin: Path | None = None) -> tuple[int, str, bool]:
+    """Run cmd (reading the file stdin, if given): its exit status, its stderr and stdout, and
+    whether it was killed for making no progress. The child is killed and reaped if this
+    returns by an exception (Ctrl-C, SIGTERM)."""
+    with _sigterm_unwinds(), open(stdin or os.devnull, "rb") as source:
         try:
             proc = subprocess.Popen(
                 cmd,
-                stdin=subprocess.DEVNULL,
+                stdin=source,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -142,10 +142,10 @@ def _run_once(cmd: list[str]) -> tuple[int, str, bool]:
                 proc.wait()
 
 
-def _run(cmd: list[str], mlir: Path) -> tuple[int, str]:
+def _run(cmd: list[str], mlir: Path, stdin: Path | None = None) -> tuple[int, str]:
     """Run cmd, again when it deadlocks (the module docstring); the last try without threads."""
     for n, extra in enumerate(TRIES, 1):
-        code, output, stalled = _run_once([*cmd, *extra])
+        code, output, stalled = _run_once([*cmd, *extra], stdin)
         if not stalled:
             return code, output
         if n < len(TRIES):
@@ -163,17 +163,24 @@ def _run(cmd: list[str], mlir: Path) -> tuple[int, str]:
 
 
 def compile_mlir(
-    mlir: Path, vmfb: Path, flags: list[str], log_path: Path, f16_matrix_operands: bool = False
+    mlir: Path,
+    vmfb: Path,
+    flags: list[str],
+    log_path: Path,
+    f16_matrix_operands: bool = False,
+    from_stdin: bool = False,
 ) -> int:
     """Compile mlir to vmfb; on failure write the compiler output (if any) to log_path and raise.
     A log left by an earlier failure is removed once the module compiles. f16_matrix_operands:
     compile, rewrite the SPIR-V cooperative-matrix shaders to multiply their f16 matrices
     (compile/spirv_f16_operands.py) and compile again with those substituted. Returns how many
-    executables were rewritten."""
+    executables were rewritten. from_stdin: iree-compile reads mlir from its stdin, so the
+    module does not record mlir's path (a temp name, for MLIR without locations of its own
+    such as iree's parameter encoder: the same module from any path, byte for byte)."""
     rewritten = 0
     with atomic_path(vmfb) as tmp:
         if not f16_matrix_operands:
-            _compile_once(mlir, tmp, flags, log_path)
+            _compile_once(mlir, tmp, flags, log_path, from_stdin)
         else:
             from .spirv_f16_operands import rewrite_dump
 
@@ -181,22 +188,26 @@ def compile_mlir(
             work = temp_path_for(vmfb.with_name(f"{vmfb.stem}.spirv"))
             try:
                 dump, subst = work / "dump", work / "subst"
-                _compile_once(
-                    mlir, tmp, [*flags, f"--iree-hal-dump-executable-binaries-to={dump}"], log_path
-                )
+                dump_flag = f"--iree-hal-dump-executable-binaries-to={dump}"
+                _compile_once(mlir, tmp, [*flags, dump_flag], log_path, from_stdin)
                 rewritten = rewrite_dump(dump, subst)
                 if rewritten:
                     tmp.unlink()
                     sub = f"--iree-hal-substitute-executable-objects-from={subst}"
-                    _compile_once(mlir, tmp, [*flags, sub], log_path)
+                    _compile_once(mlir, tmp, [*flags, sub], log_path, from_stdin)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
     log_path.unlink(missing_ok=True)
     return rewritten
 
 
-def _compile_once(mlir: Path, out: Path, flags: list[str], log_path: Path) -> None:
-    code, output = _run([iree_compile_tool(), str(mlir), "-o", str(out), *flags], mlir)
+def _compile_once(
+    mlir: Path, out: Path, flags: list[str], log_path: Path, from_stdin: bool = False
+) -> None:
+    source = "-" if from_stdin else str(mlir)
+    code, output = _run(
+        [iree_compile_tool(), source, "-o", str(out), *flags], mlir, mlir if from_stdin else None
+    )
     if code < 0:
         raise UserError(_killed_message(mlir, -code, output, log_path))
     if code != 0 or not out.exists():
