@@ -113,8 +113,8 @@ def run_encoder(
         ctx.invoke(fn, args or rt.VmVariantList(0), out_list)
         return out_list
 
-    # The archive is laid out first, its data reserved but not written (irpa_writer), then the
-    # encoder writes its data entries through a file handle.
+    # The archive is laid out first, its data a sparse range until written (irpa_writer), then
+    # the encoder writes its data entries through a file handle (or a mapping).
     layout: list[irpa_writer.Entry] = []
     lengths = {}
     scopes = invoke(context(), functions["indices"]).get_as_list(0)
