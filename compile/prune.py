@@ -241,7 +241,7 @@ def _prune_one(out: Path, use: ArchiveUse, results: dict, sources: list[dict], d
 
 def _write_subset(full: Archive, keys: list[str], path: Path) -> None:
     """An archive at path with `keys` of full, bytes and metadata as they are there (copied
-    file to file: the kept 1.7 GB of the SD 1.5 UNet's archive once sat in memory here)."""
+    file to file: the kept entries were read whole into memory here before)."""
     plan = []
     for key in keys:
         e = full.entries[key]
