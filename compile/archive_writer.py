@@ -65,9 +65,7 @@ def write_archive(entries: Iterable[ArchiveEntry], path: Path) -> int:
         for e, n in zip(entries, lengths, strict=True)
     ]
     sources: dict[Path, int] = {}
-    with atomic_path(Path(path)) as tmp:
-        offsets = irpa_writer.create(tmp, plan)
-        fd = os.open(tmp, os.O_RDWR)
+    with atomic_path(Path(path)) as tmp, irpa_writer.created(tmp, plan) as (fd, offsets):
         try:
             for e, n in zip(entries, lengths, strict=True):
                 if isinstance(e.source, FileTensor):
@@ -86,7 +84,6 @@ def write_archive(entries: Iterable[ArchiveEntry], path: Path) -> int:
                 irpa_writer.pwrite_all(fd, data, offsets[e.name])
                 del data
         finally:
-            os.close(fd)
             for src in sources.values():
                 os.close(src)
     return len(entries)

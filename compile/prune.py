@@ -247,12 +247,11 @@ def _write_subset(full: Archive, keys: list[str], path: Path) -> None:
         e = full.entries[key]
         meta = bytes(full.raw(key).metadata or b"")
         plan.append(irpa_writer.Entry(key, e.length, meta, e.splat))
-    offsets = irpa_writer.create(path, plan)
-    src, dst = os.open(full.path, os.O_RDONLY), os.open(path, os.O_RDWR)
+    src = os.open(full.path, os.O_RDONLY)
     try:
-        for key, at in offsets.items():
-            e = full.entries[key]
-            irpa_writer.copy_range(src, e.offset, dst, at, e.length)
+        with irpa_writer.created(path, plan) as (dst, offsets):
+            for key, at in offsets.items():
+                e = full.entries[key]
+                irpa_writer.copy_range(src, e.offset, dst, at, e.length)
     finally:
         os.close(src)
-        os.close(dst)

@@ -20,9 +20,10 @@ the data, each entry aligned to 64 bytes; the file rounded up to 4 KiB.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,6 +109,17 @@ def create(path: Path, entries: Iterable[Entry], reserve: bool = False) -> dict[
     finally:
         os.close(fd)
     return offsets
+
+
+@contextlib.contextmanager
+def created(path: Path, entries: Iterable[Entry]) -> Iterator[tuple[int, dict[str, int]]]:
+    """create(path, entries), then (a descriptor open for writing its data, the offsets)."""
+    offsets = create(path, entries)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        yield fd, offsets
+    finally:
+        os.close(fd)
 
 
 def pwrite_all(fd: int, data, offset: int) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from pathlib import Path
 
 import numpy as np
@@ -144,16 +143,15 @@ def write_coded_archive(
     the code of its index among all coded elements, code_words), the others with their real
     bytes (`weight(key)`); returns bases_of(params). Written a chunk at a time, so the SD
     1.5-size UNet's 7.8 GB of coded inputs never sit in memory."""
-    from .irpa_writer import Entry, create, pwrite_all
+    from .irpa_writer import Entry, created, pwrite_all
 
-    offsets = create(path, [
+    plan = [
         Entry(key, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
         for key, (shape, dtype) in params.items()
-    ])  # fmt: skip
+    ]
     bases = bases_of(params)
     chunk = 1 << 22  # elements
-    fd = os.open(path, os.O_RDWR)
-    try:
+    with created(path, plan) as (fd, offsets):
         for key, (shape, _) in params.items():
             if key not in bases:
                 w = np.ascontiguousarray(weight(key)).reshape(-1).view(np.uint8)
@@ -163,8 +161,6 @@ def write_coded_archive(
             for i in range(0, n, chunk):
                 codes = code_words(at + i, at + min(n, i + chunk))
                 pwrite_all(fd, codes.view(np.uint8), offsets[key] + 4 * i)
-    finally:
-        os.close(fd)
     return bases
 
 
