@@ -184,20 +184,16 @@ def _write_paged(pages: _Pages, splats: list, out: Path, only_if_shared: bool):
         irpa_writer.Entry(key, length, smeta, pattern) for key, pattern, length, smeta in splats
     ]
     plan.append(irpa_writer.Entry(PAGES_KEY, store_bytes + PAGE, meta.encode()))
-    with atomic_path(out) as tmp:
-        start = _round_up(irpa_writer.create(tmp, plan)[PAGES_KEY], PAGE)
-        # written through a descriptor, not a writable mapping (dirty mapped pages are RSS)
-        target = os.open(tmp, os.O_RDWR)
-        try:
-            for a, n in _true_runs(~shared):
-                for c in range(0, n, _CHUNK_PAGES):
-                    take = min(_CHUNK_PAGES, n - c)
-                    irpa_writer.pwrite_all(
-                        target, pages.read(a + c, take), start + int(slot[a + c]) * PAGE
-                    )
-            os.fsync(target)
-        finally:
-            os.close(target)
+    # written through a descriptor, not a writable mapping (dirty mapped pages are RSS)
+    with atomic_path(out) as tmp, irpa_writer.created(tmp, plan) as (target, offsets):
+        start = _round_up(offsets[PAGES_KEY], PAGE)
+        for a, n in _true_runs(~shared):
+            for c in range(0, n, _CHUNK_PAGES):
+                take = min(_CHUNK_PAGES, n - c)
+                irpa_writer.pwrite_all(
+                    target, pages.read(a + c, take), start + int(slot[a + c]) * PAGE
+                )
+        os.fsync(target)
     return PagedStats(len(data_entries), sum(x[2] for x in data_entries), store_bytes, shared_runs)
 
 
