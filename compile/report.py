@@ -21,8 +21,9 @@ class StageRecord:
 class Reporter:
     stream: object = field(default_factory=lambda: sys.stdout)
     records: list[StageRecord] = field(default_factory=list)
-    # run after each stage that finished (compile/driver.py: its freed memory handed back)
-    between_stages: Callable[[], object] | None = None
+    # run after each stage that finished, given the seconds it took (compile/driver.py: its
+    # freed memory handed back)
+    between_stages: Callable[[float], object] | None = None
 
     def say(self, msg: str) -> None:
         print(msg, file=self.stream, flush=True)
@@ -34,7 +35,7 @@ class Reporter:
         t0 = time.perf_counter()
         yield
         if self.between_stages is not None:
-            self.between_stages()
+            self.between_stages(time.perf_counter() - t0)
         dt = time.perf_counter() - t0
         self.records.append(StageRecord(stage, item, dt, "done"))
         self.say(f"[{label}] done in {dt:.1f}s")
