@@ -21,10 +21,11 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from subprocess import PIPE, STDOUT, Popen
+from subprocess import PIPE, Popen
 
 import pytest
 
@@ -222,13 +223,15 @@ def _compile_from_the_start(compile_cache, request):
 
 
 class AheadQueue:
-    """One background worker for every model's queued compiles, one compile process
-    at a time (a second one beside the tests would oversubscribe the 2 cores)."""
+    """One background thread for every model's queued compiles, run one at a time (a second
+    beside the tests would oversubscribe the 2 cores) in one worker process (WORKER) that lives
+    while the queue has jobs."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.items: list[tuple] = []  # (CompiledArtifacts, key), not started yet
-        self.proc: Popen | None = None
+        self.proc: Popen | None = None  # the worker (WORKER)
+        self.worker_log = None  # its stderr
         self.stopped = False
         self._thread: threading.Thread | None = None
         # The environment at the first queued job (the session's $SDIREE_CACHE): a compile
@@ -264,6 +267,9 @@ class AheadQueue:
             job = self._pop()
             if job is None:
                 self._thread = None
+                if self.proc is not None:  # the worker ends once its stdin does
+                    self.proc.stdin.close()
+                    self.proc = None
             return job
 
     def _pop(self):
@@ -279,16 +285,30 @@ class AheadQueue:
             owner, key, future = job
             _queue_log("start", owner, key)
             try:
-                # its own process group: stop() kills it with its iree-compile child
-                self.proc = Popen(
-                    owner.command(key), stdout=PIPE, stderr=STDOUT, text=True,
-                    start_new_session=True, env=self.env,
-                )  # fmt: skip
-                output, _ = self.proc.communicate()
-                future.set_result((self.proc.returncode, output))
+                future.set_result(self._compile(owner.options(key)))
             except BaseException as error:  # handed to the test that waits for it
                 future.set_exception(error)
             _queue_log("end", owner, key)
+
+    def _compile(self, options: dict) -> tuple[int, str]:
+        """(exit status, output) of one compile in the worker process, started when needed."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.worker_log = tempfile.TemporaryFile()  # noqa: SIM115 - the worker's stderr, for its life
+            # its own process group: stop() kills it with its iree-compile child
+            self.proc = Popen(
+                [sys.executable, "-c", WORKER], stdin=PIPE, stdout=PIPE,
+                stderr=self.worker_log, text=True, start_new_session=True, env=self.env,
+            )  # fmt: skip
+        self.proc.stdin.write(json.dumps(options) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if answer:
+            answer = json.loads(answer)
+            return answer["code"], answer["output"]
+        code = self.proc.wait()
+        self.worker_log.seek(0)
+        tail = self.worker_log.read()[-4000:].decode(errors="replace")
+        return code or 1, f"the background compile process died (exit status {code}):\n{tail}"
 
     def stop(self) -> None:
         """At the session's end: no compile goes on writing into its temporary folders."""
@@ -335,14 +355,29 @@ def _compile_options(fields: dict):
     return CompileOptions(**{**fields, **paths, "sizes": sizes, "submodules": subs})
 
 
-# A background compile: what `sdiree compile` runs (its summary printed), on the fields of
-# CompiledArtifacts.options (argv[1], JSON).
-COMPILE_JOB = f"""
-import json, sys
+# The background compiles' process, one for the whole queue: torch, diffusers and iree import
+# once, not at each job's start (~7 s each). One job per line on stdin, CompiledArtifacts.options'
+# fields (JSON); each answered by one line on stdout, {"code": exit status, "output": what
+# `sdiree compile` prints, or the traceback}. Anything else written to fd 1 goes to stderr.
+WORKER = f"""
+import contextlib, io, json, os, sys, traceback
+answers = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout = os.fdopen(1, "w")
 sys.path.insert(0, {str(ROOT / "tests")!r})
 from conftest import _compile_options
 from sdiree.compile.driver import compile_model
-compile_model(_compile_options(json.loads(sys.argv[1])))
+from sdiree.compile.report import Reporter
+for line in sys.stdin:
+    out, code = io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            compile_model(_compile_options(json.loads(line)), Reporter(stream=out))
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    answers.write(json.dumps({{"code": code, "output": out.getvalue()}}) + "\\n")
+    answers.flush()
 """
 
 
@@ -376,11 +411,6 @@ class CompiledArtifacts:
             "height": self.size and self.size[0], "width": self.size and self.size[1],
             "submodules": list(self.submodules) or None,
         }  # fmt: skip
-
-    def command(self, key: tuple) -> list[str]:
-        """A process compiling key's artifact as `sdiree compile` would (the CLI has no option
-        for a part of the submodules)."""
-        return [sys.executable, "-c", COMPILE_JOB, json.dumps(self.options(key))]
 
     def compile_ahead(self, keys) -> None:
         _AHEAD.add(self, keys)
