@@ -363,7 +363,6 @@ WORKER = f"""
 import contextlib, io, json, os, sys, traceback
 answers = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
-sys.stdout = os.fdopen(1, "w")
 sys.path.insert(0, {str(ROOT / "tests")!r})
 from conftest import _compile_options
 from sdiree.compile.driver import compile_model
