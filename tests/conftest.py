@@ -3,29 +3,19 @@ once per session (`compiled`, `compiled_sd2`, `compiled_sdxl`).
 
 Artifacts are compiled through the same code path as `sdiree compile` and cached for the whole
 test session, so compile tests and runtime tests share them. The artifacts the collected tests
-will ask for are queued at the first test for a background compile process that works through
-them, while the test files that need no artifact run first, beside it. A test that needs one
-not started yet compiles it itself; one that would wait for the background compiles the next
-queued one meanwhile: one compile keeps this 2-core machine ~1.1 cores busy (export is
-single-threaded), and these compiles are most of the suite's time. Their shared compile cache
-(exported MLIR, parameter archives) is a session folder named by $SDIREE_CACHE, never the
-user's own cache. $SDIREE_TEST_QUEUE_LOG names a file where each compile's start and end and
-each test's wait are written (seconds since the epoch), to see the suite's critical path.
+will ask for, and the builds their files declare for themselves (compile_queue.Queued), are
+queued at the first test for a background compile process that works through them
+(tests/compile_queue.py), while the test files that need no artifact run first, beside it: one
+compile keeps this 2-core machine ~1.1 cores busy (export is single-threaded), and these
+compiles are most of the suite's time. Their shared compile cache (exported MLIR, parameter
+archives) is a session folder named by $SDIREE_CACHE, never the user's own cache.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 import os
-import signal
 import sys
-import tempfile
-import threading
-from concurrent.futures import Future
 from pathlib import Path
-from subprocess import PIPE, Popen
 
 import pytest
 
@@ -33,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from compile_queue import QUEUE, CompiledArtifacts, declared  # noqa: E402
 from llvm_cpu import avx2_cpu_fp32, laid_out_cpu_fp32  # noqa: E402
 from suite_progress import (  # noqa: E402, F401  (hooks: a crashed run's test, a resumed run)
     deselect_ended,
@@ -169,11 +160,12 @@ _sizes_ahead_wanted = False
 _sd2_ahead_wanted = False
 _inpaint_ahead_wanted = False
 _artifact_fixtures_wanted: set[str] = set()  # of QUEUE_ORDER, by the tests collected
+_queued_wanted: list = []  # the Queued builds of the modules collected, in the tests' order
 
 
 def pytest_collection_modifyitems(config, items):
     global _ahead_wanted, _sdxl_ahead_wanted, _sizes_ahead_wanted
-    global _sd2_ahead_wanted, _inpaint_ahead_wanted, _artifact_fixtures_wanted
+    global _sd2_ahead_wanted, _inpaint_ahead_wanted, _artifact_fixtures_wanted, _queued_wanted
     deselect_ended(config, items)  # a resumed run (tests/suite_progress.py)
     _ahead_wanted = any(i.nodeid.startswith("tests/compile/test_compile_targets.py") for i in items)
     _sdxl_ahead_wanted = any(i.nodeid.startswith(SDXL_TESTS) for i in items)
@@ -183,6 +175,8 @@ def pytest_collection_modifyitems(config, items):
     _sd2_ahead_wanted = any(i.nodeid.startswith(SD2_TESTS) for i in items)
     _inpaint_ahead_wanted = any(i.nodeid.startswith(INPAINT_TESTS) for i in items)
     _artifact_fixtures_wanted = _needing_artifacts_last(items)
+    modules = dict.fromkeys(i.module for i in items if getattr(i, "module", None) is not None)
+    _queued_wanted = [job for m in modules for job in declared(m)]
 
 
 # The order the background compiles the fixtures' artifacts in (`compiled` queues the others
@@ -213,250 +207,24 @@ def _needing_artifacts_last(items) -> set[str]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _compile_from_the_start(compile_cache, request):
+def _compile_from_the_start(compile_cache, tmp_path_factory, request):
     """The background starts on the artifacts at the first test, not at the first test that
     needs one: the tests that need none run beside it. SD 1.x's first (the `compiled` fixture
-    queues the extra sizes' and the other models' behind its own)."""
+    queues the extra sizes' and the other models' behind its own), the test files' own builds
+    right behind its cpu fp32 artifact, in the order their tests run: most of those files need
+    no artifact and run early."""
     for fixture in QUEUE_ORDER:
         if fixture in _artifact_fixtures_wanted:
             request.getfixturevalue(fixture)
-
-
-class AheadQueue:
-    """One background thread for every model's queued compiles, run one at a time (a second
-    beside the tests would oversubscribe the 2 cores) in one worker process (WORKER) that lives
-    while the queue has jobs."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.items: list[tuple] = []  # (CompiledArtifacts, key), not started yet
-        self.proc: Popen | None = None  # the worker (WORKER)
-        self.worker_log = None  # its stderr
-        self.stopped = False
-        self._thread: threading.Thread | None = None
-        # The environment at the first queued job (the session's $SDIREE_CACHE): a compile
-        # started while a test has monkeypatched it (its own cache) would otherwise write the
-        # shared artifacts' archives into that test's cache.
-        self.env: dict[str, str] | None = None
-
-    def add(self, owner, keys) -> None:
-        with self.lock:
-            if self.env is None:
-                self.env = dict(os.environ)
-            self.items += [(owner, k) for k in keys]
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True)
-                self._thread.start()
-
-    def take_back(self, owner, key) -> bool:
-        """Remove a job not started yet (its test compiles it itself); True if it was queued."""
-        with self.lock:
-            if (owner, key) in self.items:
-                self.items.remove((owner, key))
-                return True
-            return False
-
-    def steal(self):
-        """The next job not started yet, for a process that would otherwise wait: (owner, key,
-        the Future its own get() waits on), or None."""
-        with self.lock:
-            return self._pop()
-
-    def _next(self):
-        with self.lock:
-            job = self._pop()
-            if job is None:
-                self._thread = None
-                if self.proc is not None:  # the worker ends once its stdin does
-                    self.proc.stdin.close()
-                    self.proc = None
-            return job
-
-    def _pop(self):
-        """(owner, key, its Future) of the first job not started, marked started; the lock held."""
-        if self.stopped or not self.items:
-            return None
-        owner, key = self.items.pop(0)
-        owner._ahead[key] = Future()
-        return owner, key, owner._ahead[key]
-
-    def _run(self) -> None:
-        while (job := self._next()) is not None:
-            owner, key, future = job
-            _queue_log("start", owner, key)
-            try:
-                future.set_result(self._compile(owner.options(key)))
-            except BaseException as error:  # handed to the test that waits for it
-                future.set_exception(error)
-            _queue_log("end", owner, key)
-
-    def _compile(self, options: dict) -> tuple[int, str]:
-        """(exit status, output) of one compile in the worker process, started when needed."""
-        if self.proc is None or self.proc.poll() is not None:
-            self.worker_log = tempfile.TemporaryFile()  # noqa: SIM115 - the worker's stderr, for its life
-            # its own process group: stop() kills it with its iree-compile child
-            self.proc = Popen(
-                [sys.executable, "-c", WORKER], stdin=PIPE, stdout=PIPE,
-                stderr=self.worker_log, text=True, start_new_session=True, env=self.env,
-            )  # fmt: skip
-        self.proc.stdin.write(json.dumps(options) + "\n")
-        self.proc.stdin.flush()
-        answer = self.proc.stdout.readline()
-        if answer:
-            answer = json.loads(answer)
-            return answer["code"], answer["output"]
-        code = self.proc.wait()
-        self.worker_log.seek(0)
-        tail = self.worker_log.read()[-4000:].decode(errors="replace")
-        return code or 1, f"the background compile process died (exit status {code}):\n{tail}"
-
-    def stop(self) -> None:
-        """At the session's end: no compile goes on writing into its temporary folders."""
-        with self.lock:
-            self.stopped = True
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-_AHEAD = AheadQueue()
-
-
-@contextlib.contextmanager
-def _session_cache(queued: bool):
-    """A queued job compiled by a waiting test uses the session's $SDIREE_CACHE, whatever that
-    test set it to."""
-    if not queued or _AHEAD.env is None:
-        yield
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SDIREE_CACHE", _AHEAD.env["SDIREE_CACHE"])
-        yield
-
-
-_QUEUE_LOG = os.environ.get("SDIREE_TEST_QUEUE_LOG")  # a file: when each compile starts and ends
-
-
-def _queue_log(event: str, owner, key, where: str = "background") -> None:
-    if _QUEUE_LOG:
-        import time
-
-        name = f"{owner.model.name}/{owner.out_dir(*key).name}"
-        with open(_QUEUE_LOG, "a") as f:
-            f.write(f"{time.time():.1f} {event} {where} {name}\n")
-
-
-def _compile_options(fields: dict):
-    from sdiree.compile.driver import CompileOptions
-
-    paths = {k: Path(fields[k]) for k in ("model_dir", "out")}
-    sizes = tuple(tuple(s) for s in fields["sizes"])
-    subs = tuple(fields["submodules"]) if fields["submodules"] else None
-    return CompileOptions(**{**fields, **paths, "sizes": sizes, "submodules": subs})
-
-
-# The background compiles' process, one for the whole queue: torch, diffusers and iree import
-# once, not at each job's start (~7 s each). One job per line on stdin, CompiledArtifacts.options'
-# fields (JSON); each answered by one line on stdout, {"code": exit status, "output": what
-# `sdiree compile` prints, or the traceback}. Anything else written to fd 1 goes to stderr.
-WORKER = f"""
-import contextlib, io, json, os, sys, traceback
-answers = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)
-sys.path.insert(0, {str(ROOT / "tests")!r})
-from conftest import _compile_options
-from sdiree.compile.driver import compile_model
-from sdiree.compile.report import Reporter
-for line in sys.stdin:
-    out, code = io.StringIO(), 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        try:
-            compile_model(_compile_options(json.loads(line)), Reporter(stream=out))
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-    answers.write(json.dumps({{"code": code, "output": out.getvalue()}}) + "\\n")
-    answers.flush()
-"""
-
-
-class CompiledArtifacts:
-    """Compile-once cache keyed by (target, arch, dtype), with an optional queue of keys that a
-    background process compiles one after another while the tests run. get() takes a queued key
-    that the background has not started yet and compiles it itself, so both cores stay busy."""
-
-    def __init__(
-        self, model: Path, root: Path, size=None, sizes: tuple = (), submodules: tuple = ()
-    ):
-        self.model = model
-        self.root = root
-        self.size = size  # `--height/--width`, (height, width) px; None: the model's own
-        self.sizes = sizes  # `--sizes` besides the main one, (height, width) px
-        self.submodules = submodules  # () is every submodule of the model's family
-        self._done: dict = {}
-        self._ahead: dict[tuple, Future] = {}  # started in the background
-
-    def out_dir(self, target: str, arch: str, dtype: str) -> Path:
-        main = "" if self.size is None else "@{}x{}".format(*self.size)
-        more = "".join(f"+{h}x{w}" for h, w in self.sizes)
-        return self.root / self.model.name / f"{target}-{arch}-{dtype}{main}{more}"
-
-    def options(self, key: tuple) -> dict:
-        """CompileOptions' fields (JSON-able) for the artifact of key."""
-        target, arch, dtype = key
-        return {
-            "model_dir": str(self.model), "target": target, "arch": arch, "dtype": dtype,
-            "out": str(self.out_dir(*key)), "sizes": [list(s) for s in self.sizes],
-            "height": self.size and self.size[0], "width": self.size and self.size[1],
-            "submodules": list(self.submodules) or None,
-        }  # fmt: skip
-
-    def compile_ahead(self, keys) -> None:
-        _AHEAD.add(self, keys)
-
-    def stop_ahead(self) -> None:
-        _AHEAD.stop()
-
-    def get(self, target: str, arch: str, dtype: str) -> Path:
-        key = (target, arch, dtype)
-        if key in self._done:
-            return self._done[key]
-        _AHEAD.take_back(self, key)  # not started: compiled here instead
-        with _AHEAD.lock:
-            started = self._ahead.get(key)
-        if started is None:
-            self._compile_here(key)
-        else:
-            # while another process compiles it, this one compiles what is queued after it
-            _queue_log("wait", self, key, "foreground")
-            while not started.done() and (job := _AHEAD.steal()) is not None:
-                owner, other, future = job
-                owner._compile_here(other, future)
-            code, output = started.result()
-            _queue_log("got", self, key, "foreground")
-            if code != 0:
-                raise RuntimeError(f"compile {key} failed (exit {code}):\n{output}")
-        self._done[key] = self.out_dir(*key)
-        return self._done[key]
-
-    def _compile_here(self, key: tuple, future: Future | None = None) -> None:
-        """Compile key's artifact in this process. A job taken from the queue (its future
-        given) hands its outcome to the test that waits for it, not to the one compiling it."""
-        from sdiree.compile.driver import compile_model
-        from sdiree.compile.report import Reporter
-
-        _queue_log("start", self, key, "foreground")
-        try:
-            with _session_cache(future is not None):
-                compile_model(_compile_options(self.options(key)), Reporter(stream=io.StringIO()))
-        except Exception as error:
-            if future is None:
-                raise
-            future.set_exception(error)
-        else:
-            if future is not None:
-                future.set_result((0, ""))
-        _queue_log("end", self, key, "foreground")
+    if _queued_wanted:
+        behind = None
+        if "compiled" in _artifact_fixtures_wanted:
+            behind = (request.getfixturevalue("compiled"), ("cpu", "host", "fp32"))
+        model = request.getfixturevalue("tiny_model")
+        for job in reversed(_queued_wanted):  # each right behind cpu fp32: the first ends first
+            job.queue(model, tmp_path_factory, behind=behind)
+    yield
+    QUEUE.stop()
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,6 @@ loaded in parameters of at most 1 GiB on Vulkan (`--iree-stream-resource-max-all
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 import subprocess
@@ -29,6 +28,9 @@ from sdiree.runtime.manifest import load_manifest
 from sdiree.runtime.weights.pages import entry_views
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from compile_queue import Queued  # noqa: E402
+
 CAP_FLAG = "--iree-stream-resource-max-allocation-size="
 GPU_BUILDS = (
     ("vulkan-spirv", "lavapipe", "fp32"),
@@ -172,10 +174,10 @@ def test_a_vulkan_probe_that_fails_otherwise_raises_one_line(compiled, tmp_path)
     assert "\n" not in str(e.value)
 
 
-def _native_linear_capped_specs(tmp_path: Path, cap: int) -> Path:
+def _native_linear_capped_specs(root: Path, cap: int) -> Path:
     """The shipped specs with vulkan's linears traced natively (the UNet's batch-1 function
     then makes transposed copies at load, which the encoder precomputes) and the cap at cap."""
-    specs = tmp_path / "specs"
+    specs = root / "specs"
     shutil.copytree(ROOT / "specs", specs)
     data = json.loads((specs / "targets.json").read_text())
     vk = data["targets"]["vulkan-spirv"]
@@ -186,35 +188,41 @@ def _native_linear_capped_specs(tmp_path: Path, cap: int) -> Path:
     return specs
 
 
-def test_encoded_parameters_respect_the_allocation_cap(
-    tiny_model, compiled, compile_cache, tmp_path
-):
+CAP = 384 * 1024
+# the tiny model for lavapipe with native linears and CAP (compiled in the background)
+NATIVE_CAPPED = Queued(
+    "lavapipe-native-capped",
+    lambda root, model: dict(
+        model_dir=model,
+        target="vulkan-spirv",
+        arch="lavapipe",
+        dtype="fp32",
+        out=root / "native-capped",
+        specs_dir=_native_linear_capped_specs(root, CAP),
+    ),  # fmt: skip
+)
+
+
+def test_encoded_parameters_respect_the_allocation_cap(compiled, tiny_model, tmp_path_factory):
     """Native linears: the tiny UNet's transposed copies (560 KiB) are precomputed by the CPU
     encoder, and with the cap below that (above the largest weight, 288 KiB: one weight is
     never split) they come in several parameters, none above it. The images of that build and
     of the shipped one are the same, pixel for pixel."""
     from PIL import Image
 
-    from sdiree.compile.driver import CompileOptions, compile_model
-    from sdiree.compile.report import Reporter
     from sdiree.runtime.generate import generate_to_files
 
-    cap = 384 * 1024
     shipped = compiled.get("vulkan-spirv", "lavapipe", "fp32")
-    native = tmp_path / "native-capped"
-    opts = CompileOptions(
-        tiny_model, "vulkan-spirv", arch="lavapipe", dtype="fp32", out=native,
-        specs_dir=_native_linear_capped_specs(tmp_path, cap),
-    )  # fmt: skip
-    compile_model(opts, Reporter(stream=io.StringIO()))
+    root, _ = NATIVE_CAPPED.result(tiny_model, tmp_path_factory)
+    native = root / "native-capped"
     assert load_manifest(native).submodules["unet"].encoder.driver == "local-task"
     parts = entry_views(native / "unet.encoded.irpa")
-    assert len(parts) > 1 and sum(v.nbytes for v in parts.values()) > cap
-    assert max(v.nbytes for v in parts.values()) <= cap
+    assert len(parts) > 1 and sum(v.nbytes for v in parts.values()) > CAP
+    assert max(v.nbytes for v in parts.values()) <= CAP
 
     images = []
     for art in (shipped, native):
-        png = tmp_path / f"{art.name}.png"
+        png = root / f"{art.name}.png"
         generate_to_files(
             artifact_dir=art, prompt="a red boat", negative_prompt="", steps=2,
             guidance_scale=7.5, scheduler="euler", seed=3, num_images=1, output=png,
@@ -224,17 +232,9 @@ def test_encoded_parameters_respect_the_allocation_cap(
     assert np.array_equal(images[0], images[1])
 
 
-def test_channels_last_filters_run_on_a_vulkan_device(tiny_model, tmp_path):
-    """cuda's fp16 UNet build (filters exported channels-last into a derived archive, convs
-    compiled channels-last) cannot run here; its mechanism runs where a GPU-style device does,
-    on lavapipe: the module reads its scope from two archives (the model's and
-    `unet.fhwc.irpa`), computes nothing from its weights at load, and both UNet functions match
-    torch as the shipped lavapipe build does."""
-    from sdiree.compile.driver import CompileOptions, compile_model
-    from sdiree.compile.report import Reporter
-    from sdiree.compile.verify import check_parity
-
-    specs = tmp_path / "specs"
+def _channels_last_options(root: Path, model: Path) -> dict:
+    """The tiny UNet for lavapipe with cuda fp16's channels-last conv export and flags."""
+    specs = root / "specs"
     shutil.copytree(ROOT / "specs", specs)
     data = json.loads((specs / "targets.json").read_text())
     cuda16 = data["targets"]["cuda"]["dtype_options"]["fp16"]
@@ -242,11 +242,25 @@ def test_channels_last_filters_run_on_a_vulkan_device(tiny_model, tmp_path):
     vulkan["submodule_export"]["unet"] = {"conv": cuda16["submodule_export"]["unet"]["conv"]}
     vulkan["submodule_flags"] = {"unet": cuda16["submodule_flags"]["unet"]}
     (specs / "targets.json").write_text(json.dumps(data))
-    art = tmp_path / "art"
-    opts = CompileOptions(
-        tiny_model, "vulkan-spirv", arch="lavapipe", out=art, specs_dir=specs, submodules=("unet",)
-    )
-    compile_model(opts, Reporter(stream=io.StringIO()))
+    return dict(
+        model_dir=model, target="vulkan-spirv", arch="lavapipe", out=root / "art",
+        specs_dir=specs, submodules=("unet",),
+    )  # fmt: skip
+
+
+CHANNELS_LAST = Queued("lavapipe-channels-last", _channels_last_options)  # in the background
+
+
+def test_channels_last_filters_run_on_a_vulkan_device(tiny_model, tmp_path_factory):
+    """cuda's fp16 UNet build (filters exported channels-last into a derived archive, convs
+    compiled channels-last) cannot run here; its mechanism runs where a GPU-style device does,
+    on lavapipe: the module reads its scope from two archives (the model's and
+    `unet.fhwc.irpa`), computes nothing from its weights at load, and both UNet functions match
+    torch as the shipped lavapipe build does."""
+    from sdiree.compile.verify import check_parity
+
+    root, _ = CHANNELS_LAST.result(tiny_model, tmp_path_factory)
+    art = root / "art"
     m = load_manifest(art)
     unet = m.submodules["unet"]
     assert unet.extra_parameters == (("unet.fhwc.irpa", "unet"),) and unet.encoder is None

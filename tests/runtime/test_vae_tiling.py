@@ -26,7 +26,10 @@ from sdiree.runtime.vae_tiling import (
     tile_starts,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tests"))
+from compile_queue import Queued  # noqa: E402
 from parity import psnr  # noqa: E402
 
 TILE = 8  # the tiny VAE's sample_size 64 px, in latents: diffusers' tile_latent_min_size
@@ -178,8 +181,7 @@ def test_plan_compiles_the_vae_at_its_tile_shapes(tiny_model, tmp_path):
     assert plan(height=128, width=128, vae_tile=96).vae_image_shapes()[0] == (96, 96)
 
 
-@pytest.fixture(scope="module")
-def tiled_session(tiny_model, tmp_path_factory):
+def _tiled_options(root: Path, model: Path) -> dict:
     """The tiny model's VAE compiled for cpu at 128x128 (twice its sample_size): its modules
     take 64 px tiles and the 32 px edge tiles. Its convolutions are plain im2col matmuls (a
     specs copy), not the preset's Winograd F(4x4): tiling does not depend on how a conv is
@@ -189,26 +191,30 @@ def tiled_session(tiny_model, tmp_path_factory):
     import json
     import shutil
 
-    from sdiree.compile.driver import CompileOptions, compile_model
-    from sdiree.compile.report import Reporter
-    from sdiree.runtime.device_select import choose_device
-    from sdiree.runtime.manifest import load_manifest
-    from sdiree.runtime.session import Session
-
-    root = tmp_path_factory.mktemp("tiled")
     specs = root / "specs"
-    shutil.copytree(Path(__file__).resolve().parents[2] / "specs", specs)
+    shutil.copytree(ROOT / "specs", specs)
     registry = json.loads((specs / "targets.json").read_text())
     for sub in ("vae_decoder", "vae_encoder"):
         registry["targets"]["cpu"]["submodule_export"][sub] = {"conv": "matmul"}
     (specs / "targets.json").write_text(json.dumps(registry))
-    out = root / "cpu-128"
-    opts = CompileOptions(
-        tiny_model, "cpu", height=128, width=128, out=out, specs_dir=specs,
-        submodules=("vae_decoder", "vae_encoder"),
+    return dict(
+        model_dir=model, target="cpu", height=128, width=128, out=root / "cpu-128",
+        specs_dir=specs, submodules=("vae_decoder", "vae_encoder"),
     )  # fmt: skip
-    compile_model(opts, Reporter(stream=io.StringIO()))
-    manifest = load_manifest(out)
+
+
+TILED = Queued("vae-tiled-cpu-128", _tiled_options)  # compiled in the background
+
+
+@pytest.fixture(scope="module")
+def tiled_session(tiny_model, tmp_path_factory):
+    """A session on TILED's artifact."""
+    from sdiree.runtime.device_select import choose_device
+    from sdiree.runtime.manifest import load_manifest
+    from sdiree.runtime.session import Session
+
+    root, _ = TILED.result(tiny_model, tmp_path_factory)
+    manifest = load_manifest(root / "cpu-128")
     info, _ = choose_device(manifest, None)
     return Session(manifest, info, ("vae_decoder", "vae_encoder"))
 

@@ -12,7 +12,6 @@ fp16 numerics for real against diffusers fp32.
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import shutil
@@ -24,6 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
+from compile_queue import Queued  # noqa: E402
 from configured import configurations, dump_configurations  # noqa: E402
 from parity import diffusers_images, psnr  # noqa: E402
 
@@ -59,15 +59,12 @@ TUNED = ("unet", "vae_decoder")
 TEXT_TO_IMAGE = ("text_encoder", *TUNED)
 
 
-def compile_tiny(model: Path, arch: str, specs: Path, out: Path, submodules=TUNED):
-    from sdiree.compile.driver import CompileOptions, compile_model
-    from sdiree.compile.report import Reporter
-
-    opts = CompileOptions(
-        model, "vulkan-spirv", arch=arch, dtype="fp16", out=out, specs_dir=specs,
-        submodules=submodules,
+def tiny_options(model: Path, arch: str, specs: Path, out: Path, submodules=TUNED) -> dict:
+    """CompileOptions' fields of the tiny model's vulkan-spirv fp16 build for arch."""
+    return dict(
+        model_dir=model, target="vulkan-spirv", arch=arch, dtype="fp16", out=out,
+        specs_dir=specs, submodules=submodules,
     )  # fmt: skip
-    return compile_model(opts, Reporter(stream=io.StringIO()))
 
 
 def pipeline(text: str) -> str:
@@ -104,21 +101,45 @@ def choices(text: str) -> tuple:
     )
 
 
-def gpu_build(model: Path, tmp: Path, arch: str):
-    """The tiny model's UNet and VAE decoder compiled for arch fp16: (artifact, dump)."""
-    dump, art = tmp / "dump", tmp / arch
-    compile_tiny(model, arch, specs_copy(tmp, arch, dump), art)
-    return art, dump
+def gpu_build(arch: str) -> Queued:
+    """The tiny model's UNet and VAE decoder compiled for arch fp16, its executables'
+    configurations dumped (queued for the background at the session's start)."""
+
+    def prepare(root: Path, model: Path) -> dict:
+        return tiny_options(model, arch, specs_copy(root, arch, root / "dump"), root / arch)
+
+    return Queued(f"{arch}-fp16", prepare)
+
+
+def lavapipe_as(arch: str) -> Queued:
+    """The tiny model's text-to-image submodules compiled for lavapipe with arch's target
+    description (specs_copy's target_of), configurations dumped."""
+
+    def prepare(root: Path, model: Path) -> dict:
+        specs = specs_copy(root, "lavapipe", root / "dump", target_of=arch)
+        return tiny_options(model, "lavapipe", specs, root / f"lavapipe-as-{arch}", TEXT_TO_IMAGE)
+
+    return Queued(f"lavapipe-as-{arch}-fp16", prepare)
+
+
+GPU_BUILDS = {arch: gpu_build(arch) for arch in ("ampere", "rdna3")}
+LAVAPIPE_AS = {arch: lavapipe_as(arch) for arch in ("ampere", "rdna3")}
+
+
+def built(job: Queued, model: Path, tmp_path_factory) -> tuple[Path, Path]:
+    """(artifact, configurations dump) of a queued build."""
+    root, _ = job.result(model, tmp_path_factory)
+    return Path(job.fields["out"]), root / "dump"
 
 
 @pytest.fixture(scope="module")
 def ampere_build(tiny_model, tmp_path_factory):
-    return gpu_build(tiny_model, tmp_path_factory.mktemp("ampere"), "ampere")
+    return built(GPU_BUILDS["ampere"], tiny_model, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def rdna3_build(tiny_model, tmp_path_factory):
-    return gpu_build(tiny_model, tmp_path_factory.mktemp("rdna3"), "rdna3")
+    return built(GPU_BUILDS["rdna3"], tiny_model, tmp_path_factory)
 
 
 @pytest.mark.parametrize("arch", ["ampere", "rdna3"])
@@ -177,7 +198,7 @@ def test_nvidia_simt_spec_takes_exactly_attentions_pv(ampere_build, tmp_path):
 
 @pytest.mark.parametrize("arch", ["ampere", "rdna3"])
 def test_lavapipe_runs_the_gpu_presets_choices_and_matches_diffusers(
-    tiny_model, arch, request, tmp_path
+    tiny_model, arch, request, tmp_path, tmp_path_factory
 ):
     """The GPU presets' fp16 code path in numbers: lavapipe given ampere's (arch sm_80, 48 KiB
     of shared memory) or rdna3's target description, no cooperative matrices either way, with
@@ -185,10 +206,7 @@ def test_lavapipe_runs_the_gpu_presets_choices_and_matches_diffusers(
     written for 32 or 64) configures every contraction exactly as that preset's build does, the
     SIMT matmul pipeline's tiles included; only subgroup-reduction dispatches differ. That
     build runs, and its fp16 image matches diffusers fp32."""
-    dump = tmp_path / "dump"
-    art = tmp_path / f"lavapipe-as-{arch}"
-    specs = specs_copy(tmp_path, "lavapipe", dump, target_of=arch)
-    compile_tiny(tiny_model, "lavapipe", specs, art, TEXT_TO_IMAGE)
+    art, dump = built(LAVAPIPE_AS[arch], tiny_model, tmp_path_factory)
     ours_cfg = configurations(dump)
     theirs = configurations(request.getfixturevalue(f"{arch}_build")[1])
     assert set(theirs) <= set(ours_cfg)

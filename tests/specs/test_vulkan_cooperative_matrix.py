@@ -21,6 +21,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tests"))
+from compile_queue import Queued  # noqa: E402
 from spirv_matrices import census  # noqa: E402
 
 # The UNet's linears after export: f16 activations times transposed f16 weights, f32 sums.
@@ -100,19 +102,13 @@ def test_fallback_spec_is_its_generators_output():
         assert f"@match_{name}_64_k32" in SPEC.read_text()
 
 
-def test_f16_matrix_operands_rewrites_every_cooperative_matrix_shader(tiny_model, tmp_path):
-    """The route back to tensor cores, as a GPU session would try it: rdna3 given iree's own
-    WMMA target, the fallback spec and `f16_matrix_operands`. The tiny UNet compiles; as many
-    of its shaders take their f16 matrices as iree configured on cooperative matrices."""
-    import io
+def _wmma_rdna3_options(root: Path, model: Path) -> dict:
+    """The tiny UNet for rdna3 fp16 as a GPU session would try the route back to tensor cores:
+    iree's own WMMA target, the fallback spec, `f16_matrix_operands`; configurations dumped."""
     import json
-    import re
     import shutil
 
-    from sdiree.compile.driver import CompileOptions, compile_model
-    from sdiree.compile.report import Reporter
-
-    specs, dump = tmp_path / "specs", tmp_path / "dump"
+    specs, dump = root / "specs", root / "dump"
     shutil.copytree(ROOT / "specs", specs)
     data = json.loads((specs / "targets.json").read_text())
     preset = data["targets"]["vulkan-spirv"]["arches"]["rdna3"]
@@ -123,14 +119,23 @@ def test_f16_matrix_operands_rewrites_every_cooperative_matrix_shader(tiny_model
     preset["tuning_specs"] = {"*": "tuning/vulkan_coopmatrix_fallback.mlir"}
     preset["f16_matrix_operands"] = True
     (specs / "targets.json").write_text(json.dumps(data))
-    said = io.StringIO()
-    opts = CompileOptions(
-        tiny_model, "vulkan-spirv", arch="rdna3", dtype="fp16", out=tmp_path / "art",
+    return dict(
+        model_dir=model, target="vulkan-spirv", arch="rdna3", dtype="fp16", out=root / "art",
         specs_dir=specs, submodules=("unet",),
     )  # fmt: skip
-    compile_model(opts, Reporter(stream=said))
+
+
+WMMA_RDNA3 = Queued("wmma-rdna3-fp16", _wmma_rdna3_options)  # compiled in the background
+
+
+def test_f16_matrix_operands_rewrites_every_cooperative_matrix_shader(tiny_model, tmp_path_factory):
+    """The route back to tensor cores, as a GPU session would try it: rdna3 given iree's own
+    WMMA target, the fallback spec and `f16_matrix_operands`. The tiny UNet compiles; as many
+    of its shaders take their f16 matrices as iree configured on cooperative matrices."""
+    import re
+
+    root, said = WMMA_RDNA3.result(tiny_model, tmp_path_factory)
+    dump = root / "dump"
     coop = [f for f in dump.glob("*.mlir") if "CooperativeMatrixVectorize" in f.read_text()]
-    found = re.search(
-        r"unet: (\d+) cooperative-matrix shaders take their f16 matrices", said.getvalue()
-    )
-    assert coop and found and int(found.group(1)) == len(coop), said.getvalue()[-2000:]
+    found = re.search(r"unet: (\d+) cooperative-matrix shaders take their f16 matrices", said)
+    assert coop and found and int(found.group(1)) == len(coop), said[-2000:]
