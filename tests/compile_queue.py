@@ -333,8 +333,9 @@ class Queued(_Job):
 
     def _ready(self, model: Path, tmp_path_factory) -> None:
         if self.fields is None:
-            self.root = tmp_path_factory.mktemp(self.name)
-            self.fields = json_fields(self.prepare(self.root, model))
+            root = tmp_path_factory.mktemp(self.name)  # a new one if an earlier prepare failed
+            self.fields = json_fields(self.prepare(root, model))
+            self.root = root
 
     def queue(self, model: Path, tmp_path_factory, behind: tuple | None = None) -> None:
         self._ready(model, tmp_path_factory)

@@ -12,7 +12,6 @@ is for is measured in tools/PERFORMANCE.md (thirty-second session).
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import shutil
 import subprocess
@@ -21,6 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from compile_queue import Queued
 from configured import configurations
 
 from sdiree.runtime.targets import Arch, load_registry
@@ -168,32 +168,39 @@ def _wide_vae_model(tiny_model: Path, out: Path) -> Path:
     return out
 
 
-def test_avx2_vae_decoder_with_the_spec_matches_diffusers(tiny_model, tmp_path):
-    """Compiled for x86-64-v3 with the decoder's 64² convs split (F(2x2)): their products run the 6x16
-    tile (the configuration dump), the manifest names the spec, the decode matches diffusers
-    within fp32's tolerance, and the artifact keeps no more original weights than without it."""
-    pytest.importorskip("iree.compiler")
-    from sdiree.compile.driver import CompileOptions, compile_model
-    from sdiree.compile.report import Reporter
-    from sdiree.compile.verify import TOLERANCE, check_parity
-
-    model = _wide_vae_model(tiny_model, tmp_path / "wide-vae")
-    specs = tmp_path / "specs"
+def _avx2_decoder_options(root: Path, tiny_model: Path) -> dict:
+    """The wide-VAE model's decoder for x86-64-v3 fp32, its 64² convs split (F(2x2)), its
+    executables' configurations dumped."""
+    model = _wide_vae_model(tiny_model, root / "wide-vae")
+    specs = root / "specs"
     shutil.copytree(ROOT / "specs", specs)
     data = json.loads((specs / "targets.json").read_text())
     cpu = data["targets"]["cpu"]
-    dump = tmp_path / "dump"
+    dump = root / "dump"
     preset = cpu["arches"]["x86-64-v3"]
     preset["flags"] = [*preset["flags"], f"--iree-hal-dump-executable-configurations-to={dump}"]
     # F(2x2): 16 products a split conv, not F(4x4)'s 36 (half the export and compile time);
     # the spec takes either
     cpu["submodule_export"]["vae_decoder"].update(conv="winograd", winograd_split_min_side=64)
     (specs / "targets.json").write_text(json.dumps(data))
+    return dict(
+        model_dir=model, target="cpu", arch="x86-64-v3", dtype="fp32", out=root / "art",
+        specs_dir=specs, submodules=("vae_decoder",),
+    )  # fmt: skip
 
-    art = tmp_path / "art"
-    opts = CompileOptions(model, "cpu", arch="x86-64-v3", dtype="fp32", out=art,
-                          specs_dir=specs, submodules=("vae_decoder",))  # fmt: skip
-    compile_model(opts, Reporter(stream=io.StringIO()))
+
+AVX2_DECODER = Queued("avx2-wide-vae-decoder", _avx2_decoder_options)  # in the background
+
+
+def test_avx2_vae_decoder_with_the_spec_matches_diffusers(tiny_model, tmp_path_factory, tmp_path):
+    """Compiled for x86-64-v3 with the decoder's 64² convs split (F(2x2)): their products run the 6x16
+    tile (the configuration dump), the manifest names the spec, the decode matches diffusers
+    within fp32's tolerance, and the artifact keeps no more original weights than without it."""
+    pytest.importorskip("iree.compiler")
+    from sdiree.compile.verify import TOLERANCE, check_parity
+
+    root, _ = AVX2_DECODER.result(tiny_model, tmp_path_factory)
+    model, art, dump = root / "wide-vae", root / "art", root / "dump"
     manifest = json.loads((art / "manifest.json").read_text())
     assert list(manifest["submodules"]["vae_decoder"]["tuning_specs"]) == [SPEC_REL]
     texts = [f.read_text() for f in dump.glob("*.mlir")]
