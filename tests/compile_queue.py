@@ -285,18 +285,14 @@ class CompiledArtifacts(_Job):
     def options(self, key: tuple) -> dict:
         """CompileOptions' fields (JSON-able) for the artifact of key."""
         target, arch, dtype = key
-        return {
-            "model_dir": str(self.model), "target": target, "arch": arch, "dtype": dtype,
-            "out": str(self.out_dir(*key)), "sizes": [list(s) for s in self.sizes],
-            "height": self.size and self.size[0], "width": self.size and self.size[1],
-            "submodules": list(self.submodules) or None,
-        }  # fmt: skip
+        return json_fields(dict(
+            model_dir=self.model, target=target, arch=arch, dtype=dtype, out=self.out_dir(*key),
+            sizes=self.sizes, height=self.size and self.size[0], width=self.size and self.size[1],
+            submodules=self.submodules or None,
+        ))  # fmt: skip
 
     def compile_ahead(self, keys) -> None:
         QUEUE.add(self, keys)
-
-    def stop_ahead(self) -> None:
-        QUEUE.stop()
 
     def get(self, target: str, arch: str, dtype: str) -> Path:
         key = (target, arch, dtype)

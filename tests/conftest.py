@@ -245,8 +245,7 @@ def compiled(tiny_model, artifacts_root, request):
     for fixture in QUEUE_ORDER[1:]:
         if wanted[fixture]:
             request.getfixturevalue(fixture)
-    yield artifacts
-    artifacts.stop_ahead()
+    return artifacts
 
 
 @pytest.fixture(scope="session")
@@ -256,8 +255,7 @@ def compiled_sd2(tiny_sd2_model, artifacts_root):
     artifacts = CompiledArtifacts(tiny_sd2_model, artifacts_root)
     if _sd2_ahead_wanted:
         artifacts.compile_ahead(SD2_AHEAD)
-    yield artifacts
-    artifacts.stop_ahead()
+    return artifacts
 
 
 @pytest.fixture(scope="session")
@@ -267,8 +265,7 @@ def compiled_sdxl(tiny_sdxl_model, artifacts_root):
     artifacts = CompiledArtifacts(tiny_sdxl_model, artifacts_root)
     if _sdxl_ahead_wanted:
         artifacts.compile_ahead(SDXL_AHEAD)
-    yield artifacts
-    artifacts.stop_ahead()
+    return artifacts
 
 
 @pytest.fixture(scope="session")
@@ -281,8 +278,7 @@ def compiled_sizes(tiny_model, artifacts_root):
     )
     if _sizes_ahead_wanted:
         artifacts.compile_ahead(SIZES_AHEAD)
-    yield artifacts
-    artifacts.stop_ahead()
+    return artifacts
 
 
 @pytest.fixture(scope="session")
@@ -292,8 +288,7 @@ def compiled_inpaint(tiny_inpaint_model, artifacts_root):
     artifacts = CompiledArtifacts(tiny_inpaint_model, artifacts_root)
     if _inpaint_ahead_wanted:
         artifacts.compile_ahead(INPAINT_AHEAD)
-    yield artifacts
-    artifacts.stop_ahead()
+    return artifacts
 
 
 @pytest.hookimpl(trylast=True)
