@@ -171,7 +171,7 @@ def _close(got: np.ndarray, want: np.ndarray, rounded: bool = False) -> bool:
     return bool(np.abs(np.asarray(got, np.float64) - w).max() <= tol * float(np.abs(w).max()))
 
 
-def _named(key: str, named: bytes) -> bool:
+def named_in(key: str, named: bytes) -> bool:
     """Whether key's bytes appear in the vmfbs (an upper bound of what a module names) other
     than as the start of a weight derived from it (`c.weight` in `c.weight_winograd`, which an
     untiled product reads itself, or in `l.weight_panels`: the weight is then read back from
@@ -192,7 +192,7 @@ def _prune_one(out: Path, use: ArchiveUse, results: dict, sources: list[dict], d
     recoverer = Recoverer(out, sources)
     dropped: dict[str, dict] = {}
     for key, e in full.entries.items():
-        if _named(key, named) or e.splat is not None or e.dtype is None or e.shape is None:
+        if named_in(key, named) or e.splat is not None or e.dtype is None or e.shape is None:
             continue
         try:
             got = recoverer.array(key, e.shape, e.dtype)

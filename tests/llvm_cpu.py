@@ -68,6 +68,20 @@ def host_unet_takes_panels(arch: str = "host") -> bool:
     return cpu.export_for("unet", "fp32", arch).get("linear") == "panels"
 
 
+def unet_winograd_read_in_place(manifest) -> set[str]:
+    """The UNet's derived Winograd weights that its module reads as they are, not through its
+    encoder: under `matmul_kernel: f32` (a cpu fp32 compile on an AVX-512 CPU without AMX) a
+    product's weight is packed [N / 64, K, 64] in the graph (compile/exporters/linear_f32.py),
+    which for one panel of outputs (the tiny model's 64-channel convs; none at SD 1.5 size) is
+    a reshape: nothing for the encoder to pack, so the artifact keeps those in their archive."""
+    from sdiree.compile.exporters.linear_f32 import PANEL
+
+    if manifest.data["submodules"]["unet"]["export"].get("matmul_kernel") != "f32":
+        return set()
+    derived = manifest.submodules["unet"].encoder.derived
+    return {k for k, (shape, _) in derived.items() if shape[-1] == PANEL}
+
+
 def host_fp32_splits() -> bool:
     """Whether a `host` cpu fp32 compile puts the UNet and VAE on sdiree's AMX kernels with
     bf16x3 operands (an AMX CPU: `if_cpu_has` in specs/targets.json). Their encoded weights are

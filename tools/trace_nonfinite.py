@@ -23,7 +23,9 @@ page-aligned memory, which the cpu HAL and a Vulkan driver with VK_EXT_external_
 import as it is: then any entry a call writes is named). --runtime-flag passes an iree runtime
 flag (e.g. --vulkan_robust_buffer_access=true). The artifact is not changed: a rebuilt module
 runs from a scratch copy (links to the artifact's files, the manifest's entry for the module
-rewritten). Tracing reads every intermediate back to the host, so a call takes longer.
+rewritten; a pruned archive whose dropped weights the rebuilt module reads itself is written
+there whole, read back from the encoded archives). Tracing reads every intermediate back to the
+host, so a call takes longer.
 """
 
 from __future__ import annotations
@@ -75,19 +77,65 @@ def _compile_traced(
 
 
 def _scratch_artifact(artifact: Path, submodule: str, vmfb: Path, where: Path) -> Path:
-    """A copy of the artifact made of links, with submodule's module replaced by vmfb."""
+    """A copy of the artifact made of links, with submodule's module replaced by vmfb, and any
+    pruned archive whose dropped weights vmfb names written whole (_restore_archive)."""
+    from sdiree.compile.prune import named_in
     from sdiree.runtime.fileutil import sha256_file
+    from sdiree.runtime.weights.recover import read_sidecar, sidecar_path
 
     data = json.loads((artifact / "manifest.json").read_text())
     rel = data["submodules"][submodule]["vmfb"]
+    named = vmfb.read_bytes()
+    restored = []
+    sub = data["submodules"][submodule]
+    for path in [sub["parameters"], *(e["path"] for e in sub.get("extra_parameters", []))]:
+        pruned = read_sidecar(artifact / path)
+        if pruned and any(named_in(k, named) for k in pruned[0]):
+            _restore_archive(artifact / path, where / path)
+            data["files"][path] = sha256_file(where / path)
+            data["files"].pop(sidecar_path(Path(path)).as_posix(), None)
+            restored.append(path)
+    skip = {Path(p) for p in restored} | {sidecar_path(Path(p)) for p in restored}
     for src in artifact.rglob("*"):
+        name = src.relative_to(artifact)
         if src.is_file() and src.name != "manifest.json" and not src.name.startswith("."):
-            dst = where / src.relative_to(artifact)
+            if name in skip:
+                continue
+            dst = where / name
             dst.parent.mkdir(parents=True, exist_ok=True)
-            os.symlink(vmfb.resolve() if src.relative_to(artifact) == Path(rel) else src, dst)
+            os.symlink(vmfb.resolve() if name == Path(rel) else src, dst)
     data["files"][rel] = sha256_file(vmfb)
     (where / "manifest.json").write_text(json.dumps(data))
+    if restored:
+        print(f"weights the rebuilt module reads itself, restored from the encoded archives: "
+              f"{', '.join(restored)}", flush=True)  # fmt: skip
     return where
+
+
+def _restore_archive(path: Path, dst: Path) -> None:
+    """The pruned archive at path written whole at dst: its kept entries copied as they are,
+    its dropped ones read back from the artifact's encoded archives (runtime/weights/
+    recover.py). A rebuild with other flags may read a weight itself that the artifact's
+    module reached only through its encoder (on an AVX-512 CPU without AMX, the traced tiny
+    fp32 VAE decoder reads its mid-block attention's to_q weight), which the compile dropped."""
+    import torch
+
+    from sdiree.compile.archive_writer import metadata
+    from sdiree.runtime.weights import irpa_writer
+    from sdiree.runtime.weights.archive import Archive
+
+    full = Archive(path)
+    plan = []
+    for key, e in full.entries.items():
+        if e.recovered:
+            meta = metadata(getattr(torch, e.dtype.name), e.shape).encode()
+        else:
+            meta = bytes(full.raw(key).metadata or b"")
+        plan.append(irpa_writer.Entry(key, e.length, meta, e.splat))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with irpa_writer.created(dst, plan) as (fd, offsets):
+        for key, at in offsets.items():
+            irpa_writer.pwrite_all(fd, np.ascontiguousarray(full.array(key)).view(np.uint8), at)
 
 
 class NonFiniteSink:
@@ -117,15 +165,40 @@ class NonFiniteSink:
             print(f"{key}: {cells}", flush=True)
 
     def first_culprit(self) -> str | None:
-        """The first outputs that hold non-finite values after inputs that were all finite."""
+        """The first outputs that hold non-finite values after inputs that were all finite,
+        unless the dispatches after it fill those values in (_filled_later)."""
         inputs_ok = True
-        for key, stats in self.rows:
+        for i, (key, stats) in enumerate(self.rows):
             bad = any(b for _, b, _ in stats)
-            if key.endswith("inputs"):
+            if " inputs" in key:  # also "inputs with {0, 1} decoded to row major layout"
                 inputs_ok = not bad
-            elif key.endswith("outputs") and bad and inputs_ok:
+            elif (
+                " outputs" in key
+                and bad
+                and inputs_ok
+                and not all(self._filled_later(i, s, b) for s, b, _ in stats if b)
+            ):
                 return key
         return None
+
+    def _filled_later(self, row: int, shape: tuple, bad: int) -> bool:
+        """Whether an output's non-finite values (at row, of shape, bad of them) are the
+        memory's earlier contents, written over by the dispatches that follow: a chain of
+        slice copies, each taking the tensor in and giving it back with fewer non-finite
+        values, down to none (iree's Winograd input tiles: a call after one on NaN inputs
+        sees the NaN that call left where no tile is written yet)."""
+        taken = False
+        for key, stats in self.rows[row + 1 :]:
+            if " inputs" in key:
+                taken = any(s == shape and b == bad for s, b, _ in stats)
+                continue
+            left = [b for s, b, _ in stats if s == shape]
+            if not taken or not left or min(left) >= bad:
+                return False
+            bad = min(left)
+            if bad == 0:
+                return True
+        return False
 
 
 class WeightsLoaded:

@@ -222,9 +222,11 @@ def test_cpu_weights_are_derived_at_export_and_encoded_at_compile(compiled, comp
     `<submodule>.encoded.irpa` beside the vmfb, which the artifact then needs instead of the
     derived archive. Without it the module cannot load; vulkan has no derived archive.
     On a CPU without avx512f the UNet's linears are panels (specs/targets.json), which the
-    module reads as they were derived: then its derived archive is in the artifact too."""
+    module reads as they were derived: then its derived archive is in the artifact too, as it
+    is where the module reads some Winograd weights in place (llvm_cpu.
+    unet_winograd_read_in_place: the tiny model on an AVX-512 CPU without AMX)."""
     import iree.runtime as rt
-    from llvm_cpu import host_unet_takes_panels
+    from llvm_cpu import host_unet_takes_panels, unet_winograd_read_in_place
 
     from sdiree.compile.param_encoder import loads_with
 
@@ -239,8 +241,9 @@ def test_cpu_weights_are_derived_at_export_and_encoded_at_compile(compiled, comp
     # The UNet's Winograd weights all reach it through the encoder, so without panels the
     # artifact does not need their archive; the VAE decoder's 3-channel conv_out is not
     # data-tiled and reads its derived weight directly, so that archive is listed (and needed).
+    listed = panels or bool(unet_winograd_read_in_place(m))
     unet_extra = [p for p, _ in m.submodules["unet"].extra_parameters]
-    assert unet_extra == ([derived_name] if panels else []) + ["unet.encoded.irpa"]
+    assert unet_extra == ([derived_name] if listed else []) + ["unet.encoded.irpa"]
     vae = m.submodules["vae_decoder"]
     assert [s for _, s in vae.extra_parameters] == ["vae", "vae_decoder_encoded"]
     assert vae.extra_parameters[0][0] == "vae.winograd4.irpa"  # its F(4x4) weights, in the artifact
@@ -249,9 +252,10 @@ def test_cpu_weights_are_derived_at_export_and_encoded_at_compile(compiled, comp
         ("vae_decoder_encoded", out / vae.extra_parameters[1][0]),
     ]
     assert not loads_with(m.path(vae.vmfb), encoded_only, "local-task")
-    # Without panels the UNet's derived archive stays in the compile cache: nothing at run time
-    # reads it. With them, it is in the artifact, for the panels the module reads.
-    assert (out / derived_name).exists() == panels
+    # Without panels (or weights read in place) the UNet's derived archive stays in the compile
+    # cache: nothing at run time reads it. With them, it is in the artifact, for what the
+    # module reads.
+    assert (out / derived_name).exists() == listed
     (derived,) = (compile_cache / compiled.model.name).rglob(f"params/*-fp32/{derived_name}")
     index = rt.ParameterIndex()
     index.load(str(derived))

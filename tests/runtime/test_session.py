@@ -129,16 +129,28 @@ def test_schema_1_manifest_still_loads(compiled, tmp_path):
 def test_cpu_unet_loads_its_model_weights_and_its_encoded_weights(cpu_art):
     """The Winograd weights derived at export reach the module only through its encoded
     archive, so the artifact does not list their archive, unless the UNet's linears are
-    panels (a CPU without avx512f), which the module reads from it as they were derived."""
-    from llvm_cpu import host_unet_takes_panels
+    panels (a CPU without avx512f), which the module reads from it as they were derived, or
+    some of those weights are read in place (llvm_cpu.unet_winograd_read_in_place): then the
+    archive is listed, holding those only."""
+    import iree.runtime as rt
+    from llvm_cpu import host_unet_takes_panels, unet_winograd_read_in_place
 
     m = load_manifest(cpu_art)
     archives = m.submodules["unet"].archives()
+    in_place = unet_winograd_read_in_place(m)
     if host_unet_takes_panels():
         assert archives == [
             ("unet.irpa", "unet"), ("unet.winograd2+panels.irpa", "unet"),
             ("unet.encoded.irpa", "unet_encoded"),
         ]  # fmt: skip
+    elif in_place:
+        assert archives == [
+            ("unet.irpa", "unet"), ("unet.winograd2.irpa", "unet"),
+            ("unet.encoded.irpa", "unet_encoded"),
+        ]  # fmt: skip
+        index = rt.ParameterIndex()
+        index.load(str(cpu_art / "unet.winograd2.irpa"))
+        assert {k for k, _ in index.items()} == in_place
     else:
         assert [s for _, s in archives] == ["unet", "unet_encoded"]
         assert not any("winograd" in p for p, _ in archives)

@@ -30,13 +30,15 @@ def _config(**kw) -> dict:
 
 @pytest.mark.parametrize("case", sorted(BETAS))
 def test_alphas_cumprod_match_diffusers(case):
-    """Bit for bit, but for the zero-SNR rescaling (torch's float32 arithmetic, not replayed:
-    within an ulp)."""
+    """Bit for bit, but for the zero-SNR rescaling: torch's float32 arithmetic is not replayed,
+    and what torch runs differs per CPU: on the Xeons and the AVX2 Zen its schedule was within
+    an ulp of ours, on a Zen 5 (AVX-512, no AMX) up to 3.8e-6 relative; both are 3.8e-5 from
+    the float64 schedule, float32's own error through 1,000 products."""
     ref = diffusers.DDIMScheduler(**BETAS[case])
     ours = ns.make_alphas_cumprod(_config(**BETAS[case]))
     assert ours.dtype == np.float32
     if case == "zero_snr":
-        np.testing.assert_allclose(ours, ref.alphas_cumprod.numpy(), rtol=3e-7, atol=0)
+        np.testing.assert_allclose(ours, ref.alphas_cumprod.numpy(), rtol=1e-5, atol=0)
         return
     np.testing.assert_array_equal(ours, ref.alphas_cumprod.numpy())
     np.testing.assert_array_equal(ns.make_betas(_config(**BETAS[case])), ref.betas.numpy())
