@@ -19,16 +19,16 @@ from sdiree.compile.exporters.text_encoder import (  # noqa: E402
 VOCAB, BOS, EOS = 100, 98, 99
 
 
-def tiny_clip(cls_name: str, eos_token_id: int):
+def tiny_clip(cls_name: str, eos_token_id: int, width: int = 32):
     import transformers
 
     config = transformers.CLIPTextConfig(
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=width,
+        intermediate_size=2 * width,
         num_hidden_layers=2,
         num_attention_heads=4,
-        projection_dim=16,
+        projection_dim=16 if width == 32 else width,
         bos_token_id=BOS,
         eos_token_id=eos_token_id,
         pad_token_id=EOS,
@@ -128,12 +128,30 @@ def _run_compiled(vmfb: bytes, irpa, scope: str, *args: np.ndarray) -> list[np.n
     return [np.array(r.to_host()) for r in results]
 
 
-@pytest.mark.parametrize("cls_name", ["CLIPTextModel", "CLIPTextModelWithProjection"])
-def test_compiled_module_matches_transformers_and_leaves_the_table_unread(cls_name, tmp_path):
+@pytest.mark.parametrize(
+    "cls_name,linear",
+    [
+        ("CLIPTextModel", "native"),
+        ("CLIPTextModelWithProjection", "native"),
+        # 64 wide: every Linear (the projection's too) on sdiree's fp32 kernel, as cpu fp32 on
+        # an AVX-512 CPU without AMX exports it (specs/targets.json); run where this CPU has
+        # AVX-512, else cross-compiled for a Zen 4 and not run
+        ("CLIPTextModelWithProjection", "f32"),
+    ],
+)
+def test_compiled_module_matches_transformers_and_leaves_the_table_unread(
+    cls_name, linear, tmp_path
+):
     from iree.compiler import compile_file
 
-    model = tiny_clip(cls_name, EOS)
+    from sdiree.compile.exporters.linear_f32 import CPU_FEATURES
+    from sdiree.compile.exporters.linear_flat import set_linear_lowering
+    from sdiree.runtime.cpu_features import host_cpu_features
+
+    model = tiny_clip(cls_name, EOS, width=64 if linear == "f32" else 32)
     ids, ends = prompt_ids(batch=2)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert set_linear_lowering(model, linear) == linears  # every one fits the kernel
     with torch.no_grad():
         ref = model(input_ids=ids)
     plan = plan_text_encoder(
@@ -153,10 +171,17 @@ def test_compiled_module_matches_transformers_and_leaves_the_table_unread(cls_na
     assert f'"text_encoder_2"::"{table_name}"' not in text  # the runtime looks ids up itself
     assert f'"text_encoder_2"::"{positions}"' in text  # positions are still added inside
 
+    assert ("flow.dispatch @sdiree_f32_linear_" in text) == (linear == "f32")
     table = clip_text_model(model).embeddings.token_embedding.weight.detach().numpy()
+    runs = linear != "f32" or set(CPU_FEATURES) <= host_cpu_features()
     vmfb = compile_file(
-        str(mlir), target_backends=["llvm-cpu"], extra_args=["--iree-llvmcpu-target-cpu=host"]
+        str(mlir),
+        target_backends=["llvm-cpu"],
+        extra_args=[f"--iree-llvmcpu-target-cpu={'host' if runs else 'znver4'}"],
     )
+    if not runs:
+        assert b"sdiree_f32_linear_workgroup" in vmfb
+        return
     hidden, pooled = _run_compiled(vmfb, irpa, "text_encoder_2", table[ids.numpy()], ends.numpy())
     want_hidden = ref.last_hidden_state.numpy()
     want_pooled = pooled_of(ref).numpy()
