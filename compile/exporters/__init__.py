@@ -38,8 +38,9 @@ from sdiree.runtime.registry_schema import UNET_ONLY_EXPORT
 # values packed from the projections by the kernel's own pass (pack_kv); 21: the AMX matmul's
 # bias in its accumulators (linears, im2col convs); 22: Winograd products and im2col matmuls
 # whose rows are not a multiple of 32 padded onto the AMX kernel, as the linears' were; 23: under
-# `matmul_kernel: amx` channels-last, nearest 2x upsampling on its kernel (upsample_kernel.py).
-EXPORTER_REVISION = 23
+# `matmul_kernel: amx` channels-last, nearest 2x upsampling on its kernel (upsample_kernel.py);
+# 24: the fp32 linear kernel's grid takes up to 96 rows in one row block (linear_f32.block_for).
+EXPORTER_REVISION = 24
 # Bumped when weights derived at export (Winograd) are computed differently, so that cached
 # derived archives written before are written again (compile/params_stage.py). 2: rounded once
 # to the export dtype; before, an fp16 file compiled in fp32 had its transformed weights rounded

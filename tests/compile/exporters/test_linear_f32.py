@@ -38,6 +38,7 @@ def test_pack_is_the_weights_transpose_in_panels():
     "shape, k, n, bias",
     [
         ((2, 77, 96), 96, 320, True),  # rows not a multiple of the 6-row tile; N in 5 panels
+        ((1, 77, 96), 96, 768, True),  # one text's tokens: one 78-row block, 128-wide columns
         ((150, 600), 600, 512, False),  # depth past one 512 step, no bias: zeros added
         ((1, 1030, 40), 40, 1280, True),  # rows in 96-row blocks, the last one short
         ((3, 64), 64, 64, True),  # under MIN_ROWS: the Linear's own forward
@@ -66,6 +67,14 @@ def test_linear_is_one_kernel_dispatch_and_matches_float64(shape, k, n, bias):
         return
     assert out.shape == want.shape
     assert np.abs(out - want).max() / np.abs(want).max() < 1e-5
+
+
+def test_up_to_96_rows_are_one_row_block():
+    """A text's 77 tokens in one block (each weight strip read once), 154 in 48-row blocks."""
+    assert linear_f32.block_for(77, 768) == (78, 128)  # 6 column blocks: both workers busy
+    assert linear_f32.block_for(77, 3072) == (78, 256)
+    assert linear_f32.block_for(154, 768) == (48, 256)
+    assert linear_f32.block_for(8192, 320) == (96, 320)
 
 
 def test_only_outputs_in_whole_panels_take_the_kernel():
