@@ -53,6 +53,7 @@ from sdiree.runtime.fileutil import (
     remove_stale_temps,
     sha256_file,
     sha256_json,
+    user_cache_dir,
 )
 from sdiree.runtime.host_memory import map_large_blocks, release_freed_heap
 from sdiree.runtime.manifest import HASH_CACHE, MANIFEST_NAME, check_files, load_manifest
@@ -394,12 +395,11 @@ def _disk_full_is_user_error(plan: Plan) -> Iterator[None]:
             raise
         # a copy that fails names its source first and the file it was writing second
         written = getattr(e, "filename2", None) or getattr(e, "filename", None)
-        where = Path(written).parent if written else plan.out
-        probe = where
-        while not probe.exists():
-            probe = probe.parent
-        free = shutil.disk_usage(probe).free
-        in_cache = plan.shared in (where, *where.parents) and plan.out not in (
+        # else a library's write (iree's, a C compiler's): the fuller of the two places
+        where = Path(written).parent if written else min((plan.out, plan.shared), key=_free_space)
+        free = _free_space(where)
+        caches = (plan.shared, user_cache_dir())  # the model's, and the kernels' (.kernels)
+        in_cache = any(c in (where, *where.parents) for c in caches) and plan.out not in (
             where,
             *where.parents,
         )
@@ -409,6 +409,13 @@ def _disk_full_is_user_error(plan: Plan) -> Iterator[None]:
             f"no space left on device writing to {where} ({_size(free)} free there); "
             f"free space or {fix}"
         ) from None
+
+
+def _free_space(where: Path) -> int:
+    """Bytes free on the filesystem of where (of its nearest existing folder)."""
+    while not where.exists():
+        where = where.parent
+    return shutil.disk_usage(where).free
 
 
 def _size(n: int) -> str:

@@ -12,6 +12,7 @@ temporary file instead), so the compile stage builds it again where the cache lo
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import os
@@ -22,6 +23,8 @@ from pathlib import Path
 from sdiree.runtime.errors import UserError
 from sdiree.runtime.fileutil import atomic_path, user_cache_dir
 from sdiree.runtime.targets import default_specs_dir
+
+from .params_stage import DISK_FULL
 
 FREESTANDING = (
     "-O2",
@@ -86,6 +89,8 @@ def build_object(name: str, isa_flags: tuple[str, ...]) -> Path:
             text=True,
         )
         if got.returncode != 0:
+            if DISK_FULL.search(got.stderr):  # the driver names where, as for its own writes
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
             first = (got.stderr.strip().splitlines() or ["(no message)"])[0]
             raise UserError(
                 f"{cc} could not build specs/kernels/{name}.c ({first}): a compiler that knows "

@@ -370,8 +370,8 @@ def test_unets_linears_take_the_kernels_on_an_amx_or_avx512_bf16_cpu(
     the UNet's linears, and the UNet's and the VAE's convs, split Winograd products and attention,
     go to sdiree's kernels (compile/exporters/linear_amx.py, amx_matmul.py), and the UNet runs
     channels-last, fp32 with every operand as two bf16 parts (`amx_operands: bf16x3`, AMX only);
-    bf16 on AMX puts the text encoders' linears and the VAE's attention projections on the kernel
-    too (the text's 77 tokens padded to 96); other CPUs keep iree's own and NCHW."""
+    bf16 puts the text encoders' linears on the kernel too (the text's 77 tokens padded to 96),
+    and on AMX the VAE's attention projections; other CPUs keep iree's own and NCHW."""
     from sdiree.compile.exporters import cpu_requires, kernel_isa
     from sdiree.runtime.targets import load_registry
 
@@ -395,17 +395,23 @@ def test_unets_linears_take_the_kernels_on_an_amx_or_avx512_bf16_cpu(
     needs = cpu_requires(cpu.export_for(sub, dtype, "probe") for sub in subs)
     assert ("amx_tile" in needs) == (isa == "amx")
     assert ("avx512_bf16" in needs) == amx
-    # the text encoders' linears: on AMX in bf16 (~4x faster at SDXL size), iree's elsewhere
-    text_amx = isa == "amx" and dtype == "bf16"
+    # the text encoders' linears: on the kernels in bf16 (AMX's: ~4x faster at SDXL size; the
+    # avx512_bf16 build's on a Zen), on the fp32 kernel in fp32 without AMX (the probe's CPU has
+    # avx512f), iree's elsewhere (fp32 on AMX, not measured there)
+    text_amx = isa is not None and dtype == "bf16"
     for sub in ("text_encoder", "text_encoder_2"):
         te = cpu.export_for(sub, dtype, "probe")
         assert (te.get("linear") == "amx") == text_amx, (sub, te)
-        assert ("amx_tile" in cpu_requires([te])) == text_amx
+        assert (te.get("linear") == "f32") == f32_kernels, (sub, te)
+        assert kernel_isa(te) == (isa if text_amx else "amx")  # the default where unused
+        assert ("amx_tile" in cpu_requires([te])) == (text_amx and isa == "amx")
     assert "winograd4_min_side" not in unet or not amx  # its convs on the conv kernel
     # and the VAE's mid attention projections (4096 tokens at 512²: decode x0.96 on AMX in bf16;
-    # no gain measured in fp32's bf16x3, nor on avx512_bf16 kernels, which no Zen here measured)
+    # no gain measured in fp32's bf16x3, nor on the avx512_bf16 kernels: a Zen 5's decode x1.008)
     for sub in ("vae_decoder", "vae_encoder"):
-        assert (cpu.export_for(sub, dtype, "probe").get("linear") == "amx") == text_amx
+        assert (cpu.export_for(sub, dtype, "probe").get("linear") == "amx") == (
+            text_amx and isa == "amx"
+        )
     assert "matmul_kernel" not in cpu.export_for("text_encoder", dtype, "probe")
     # channels-last concatenations stay on the channels (no transposes around them)
     flags = cpu.compile_flags("probe", dtype, "unet")
@@ -454,8 +460,8 @@ def test_the_v4_bf16_preset_compiles_bf16_on_the_avx512_kernels_and_fp32_on_iree
 def test_fp32_unet_takes_the_f32_kernels_on_avx512_without_amx(tmp_path, base, features, attention):
     """cpu fp32 (`if_cpu_has.avx512f`): the UNet's attention and linears on the fp32 FMA kernels
     (compile/exporters/attention_f32.py, linear_f32.py), whose AVX-512 the manifest then
-    requires; an AMX CPU keeps `chunked` (its bf16x3 AMX kernels), AVX2 and the other
-    submodules too."""
+    requires, and the text encoders' linears on the fp32 kernel; an AMX CPU keeps `chunked` (its
+    bf16x3 AMX kernels), AVX2 and the VAE too."""
     import json
 
     from sdiree.compile.exporters import cpu_requires
@@ -474,7 +480,11 @@ def test_fp32_unet_takes_the_f32_kernels_on_avx512_without_amx(tmp_path, base, f
     assert (unet.get("winograd_kernel") == "fused") == f32
     for sub in ("text_encoder", "vae_decoder", "vae_encoder"):
         assert cpu.export_for(sub, "fp32", "probe").get("attention") != "fused_f32"
+    for sub in ("vae_decoder", "vae_encoder"):
         assert cpu.export_for(sub, "fp32", "probe").get("linear") != "f32"
+    # the text encoders' linears on the fp32 kernel where the UNet's are
+    te = cpu.export_for("text_encoder", "fp32", "probe")
+    assert (te.get("linear") == "f32") == f32
     assert cpu.export_for("unet", "bf16", "probe")["attention"] == "chunked"
     assert cpu.export_for("unet", "bf16", "probe").get("linear") != "f32"
     needs = cpu_requires([unet])
